@@ -1,0 +1,65 @@
+"""Run each component's pytest in its own process and print one closing line for all.
+
+Why a script: pytest must run with each component as its rootdir (one pytest over the repo
+root puts ``operator/`` on ``sys.path`` and shadows the stdlib ``operator``), and CI reads one
+"N passed, N failed" line. Exit status is non-zero if any component fails or collects no test.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_TESTS_COLLECTED = 5
+
+
+def _counts(junit: Path) -> tuple[int, int, int]:
+    if not junit.exists():
+        return 0, 0, 0
+    tests = failed = skipped = 0
+    for suite in ET.parse(junit).getroot().iter("testsuite"):
+        tests += int(suite.get("tests", 0))
+        failed += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        skipped += int(suite.get("skipped", 0))
+    return tests - failed - skipped, failed, skipped
+
+
+def main(argv: list[str]) -> int:
+    components = argv or ["operator", "controller", "gateway", "kernels", "worker", "e2e"]
+    total = [0, 0, 0]
+    bad: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for comp in components:
+            junit = Path(tmp) / f"{comp}.xml"
+            print(f"==> [{comp}] pytest", flush=True)
+            t0 = time.monotonic()
+            rc = subprocess.call(
+                [sys.executable, "-m", "pytest", f"--junitxml={junit}", "-p", "no:cacheprovider"],
+                cwd=ROOT / comp,
+            )
+            passed, failed, skipped = _counts(junit)
+            for i, n in enumerate((passed, failed, skipped)):
+                total[i] += n
+            dt = time.monotonic() - t0
+            print(
+                f"==> [{comp}] rc={rc} {passed} passed, {failed} failed, {skipped} skipped "
+                f"in {dt:.0f}s",
+                flush=True,
+            )
+            if rc == NO_TESTS_COLLECTED:
+                bad.append(f"{comp} (no tests collected)")
+            elif rc != 0:
+                bad.append(comp)
+    if bad:
+        print(f"make test: FAILED in {', '.join(bad)}")
+    print(f"{total[0]} passed, {total[1]} failed, {total[2]} skipped")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
