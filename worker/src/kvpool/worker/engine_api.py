@@ -1,0 +1,113 @@
+"""The contract between the worker's HTTP runtime and an inference engine.
+
+Why this module exists: the OpenAI-compatible server, the agent memory API and the SIGTERM
+drain (``kvpool.worker.server`` and friends) must not know how the engine computes. The
+reference engine (``kvpool.worker.engine``) implements this protocol with real model math and
+the real LMCache engine; tests may implement it with anything that honours the same contract.
+Token ids in, token ids out: tokenization and chat templates belong to the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling for one request. ``temperature == 0`` is greedy (deterministic)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. The first event of a request also carries its prefill facts."""
+
+    request_id: str
+    token_id: int
+    index: int  # 0 for the first generated token
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from LMCache (any tier)
+    ttft_s: float | None = None  # set on the first event only
+
+
+class EngineError(Exception):
+    """A request the engine refuses (too long, bad parameters): the runtime answers 400."""
+
+
+class Engine(Protocol):
+    """What ``kvpool-worker serve`` drives. All methods are called from one asyncio loop."""
+
+    model_name: str
+    max_model_len: int
+
+    async def start(self) -> None:
+        """Load the model and LMCache; return when ready to serve."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Stream tokens for one request; raises EngineError before the first token if refused.
+
+        Several generate() streams run concurrently (continuous batching).
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request (client went away); its blocks are freed."""
+
+    async def shutdown(self, deadline_s: float) -> None:
+        """Stop admitting, finish or abort in-flight work, flush pending stores, close LMCache.
+
+        Must return within ``deadline_s`` even if LMCache threads hang.
+        """
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges for /metrics: ttft, tokens, prefix hit tokens, bytes per tier."""
+        ...
+
+    # --- agent memory API (the runtime maps sessions to token prefixes) -------------------
+    async def evict(
+        self,
+        *,
+        token_ids: Sequence[int] | None = None,
+        chunk_hashes: Sequence[int] | None = None,
+        locations: Sequence[str] | None = None,
+    ) -> int:
+        """Remove the chunks of a prefix (or given chunk hashes) from the given tiers
+        (all tiers when None). Returns the number of chunks removed; the controller sees
+        evict events."""
+        ...
+
+    async def prefetch(self, token_ids: Sequence[int]) -> int:
+        """Bring the prefix's chunks from lower tiers (or a peer) into DDR. Returns tokens now
+        resident in DDR."""
+        ...
+
+    async def pin(self, token_ids: Sequence[int]) -> int:
+        """Pin the prefix's chunks so eviction skips them; returns tokens pinned."""
+        ...
+
+    async def unpin(self, token_ids: Sequence[int]) -> int:
+        """Undo pin(); returns tokens unpinned."""
+        ...
+
+    def memory_stats(self) -> dict[str, object]:
+        """Per tier: chunks, bytes used and capacity; pinned chunks; hit counters."""
+        ...
