@@ -111,3 +111,28 @@ class Engine(Protocol):
     def memory_stats(self) -> dict[str, object]:
         """Per tier: chunks, bytes used and capacity; pinned chunks; hit counters."""
         ...
+
+
+# Special tokens of the generated reference tokenizer (worker/assets/tokenizer.json).
+PAD_TOKEN_ID = 0
+BOS_TOKEN_ID = 1
+EOS_TOKEN_ID = 2
+REFERENCE_VOCAB_SIZE = 8192
+
+
+@dataclass(frozen=True)
+class ReferenceEngineOptions:
+    """How ``kvpool-worker serve --engine reference`` builds the reference engine."""
+
+    model_name: str = "kvpool/reference-tiny"
+    model_dir: str | None = None  # a local HF model directory; None: random weights from seed
+    weights_seed: int = 0
+    vocab_size: int = REFERENCE_VOCAB_SIZE
+    eos_token_id: int = EOS_TOKEN_ID
+    max_model_len: int = 8704  # 8K prompts plus room to generate
+    block_size: int = 16
+    num_kv_blocks: int = 2048  # paged KV capacity in blocks, all requests together
+    max_num_seqs: int = 8
+    dtype: str = "float32"
+    lmcache_config_file: str | None = None  # None: no LMCache (pure recompute)
+    lmcache_instance_id: str = "reference-0"
