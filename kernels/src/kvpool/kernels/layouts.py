@@ -1,0 +1,240 @@
+"""Paged KV gather/scatter between inference-engine layouts and LMCache chunk formats.
+
+Why this module exists: an engine keeps KV in paged blocks addressed by a slot mapping
+(``slot = block_id * block_size + offset``), LMCache stores it as dense per-chunk tensors. Every
+store copies paged → chunk ("gather"), every retrieve copies chunk → paged ("scatter"). LMCache
+does this with CUDA/AscendC kernels; its CPU fallback rejects HND layouts and caches raw
+pointers. This is kvpool's device-agnostic version (CPU, CUDA, NPU via plain aten ops) with the
+semantics of LMCache's ``multi_layer_kv_transfer``:
+
+- ``slot < 0`` (vLLM's PAD_SLOT_ID) is skipped in both directions; the destination row keeps
+  its old contents (it is not zeroed).
+- A scatter with duplicate slots is rejected (on CUDA it is a race; here it would be
+  last-writer-wins, which silently hides an engine bug).
+- Copies are bit-exact for every dtype (fp32, fp16, bf16, fp8 stored as uint8): only indexing,
+  never arithmetic.
+
+Engine layouts (per layer, one tensor each; ``H`` KV heads, ``D`` head dim, ``NB`` blocks,
+``BS`` block size):
+
+=================  =========================  ===============================
+name               shape                       used by
+=================  =========================  ===============================
+``flash_nhd``      ``[2, NB, BS, H, D]``       vLLM flash-attn (default)
+``flash_hnd``      ``[2, NB, H, BS, D]``       flash-attn, HND stride order
+``flashinfer_nhd`` ``[NB, 2, BS, H, D]``       vLLM flashinfer
+``flashinfer_hnd`` ``[NB, 2, H, BS, D]``       flashinfer, HND
+``mla``            ``[NB, BS, D]``             vLLM MLA (one latent plane)
+=================  =========================  ===============================
+
+Chunk formats (LMCache ``MemoryFormat``): ``KV_2LTD`` ``[2, L, T, H*D]`` (all layers),
+``KV_2TD`` ``[2, T, H*D]`` (one layer: layerwise mode and blending), ``KV_MLA_FMT``
+``[1, L, T, D]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from kvpool.kernels import device
+
+PagedLayout = Literal["flash_nhd", "flash_hnd", "flashinfer_nhd", "flashinfer_hnd", "mla"]
+ChunkFormat = Literal["KV_2LTD", "KV_2TD", "KV_MLA_FMT"]
+
+# How to permute each physical layout into the logical [2, NB, BS, H, D] view.
+_TO_LOGICAL: dict[str, tuple[int, ...]] = {
+    "flash_nhd": (0, 1, 2, 3, 4),
+    "flash_hnd": (0, 1, 3, 2, 4),
+    "flashinfer_nhd": (1, 0, 2, 3, 4),
+    "flashinfer_hnd": (1, 0, 3, 2, 4),
+}
+
+
+class LayoutError(ValueError):
+    """Shapes, dtypes, devices or slots that do not fit the requested layout and format."""
+
+
+def slot_mapping_from_block_table(
+    block_table: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """vLLM's slot math: ``slot = block_table[pos // BS] * BS + pos % BS`` (int64)."""
+    pos = positions.to(torch.long)
+    return block_table.to(torch.long)[pos // block_size] * block_size + pos % block_size
+
+
+def _logical(cache: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
+    """View of one layer's cache as [2, NB*BS, H*D] if the layout allows a free view, else as
+    the logical [2, NB, BS, H, D] (strided) view."""
+    if layout == "mla":
+        if cache.dim() != 3:
+            raise LayoutError(f"layout mla expects [NB, BS, D] per layer, got {list(cache.shape)}")
+        return cache
+    if cache.dim() != 5:
+        raise LayoutError(
+            f"layout {layout} expects a 5-D tensor per layer, got {list(cache.shape)}"
+        )
+    view = cache.permute(*_TO_LOGICAL[layout])
+    if view.size(0) != 2:
+        raise LayoutError(
+            f"layout {layout}: K/V dimension must be 2, got shape {list(cache.shape)}"
+        )
+    if layout == "flash_nhd" and cache.is_contiguous():
+        two, nb, bs, h, d = view.shape
+        return view.view(two, nb * bs, h * d)
+    return view
+
+
+def _check(
+    kv_caches: Sequence[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    chunk: torch.Tensor,
+    layout: PagedLayout,
+    fmt: ChunkFormat,
+) -> None:
+    if not kv_caches:
+        raise LayoutError("kv_caches is empty: pass one tensor per layer")
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise LayoutError(
+            f"slot_mapping must be a 1-D int64/int32 tensor, got {slot_mapping.dtype} "
+            f"with shape {list(slot_mapping.shape)}"
+        )
+    first = kv_caches[0]
+    for i, c in enumerate(kv_caches):
+        if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
+            raise LayoutError(f"kv_caches[{i}] differs in shape/dtype/device from kv_caches[0]")
+    if chunk.dtype != first.dtype:
+        raise LayoutError(f"chunk dtype {chunk.dtype} != kv cache dtype {first.dtype}")
+    if (fmt == "KV_MLA_FMT") != (layout == "mla"):
+        raise LayoutError(f"format {fmt} does not go with layout {layout}: MLA needs both")
+    n_layers = len(kv_caches)
+    t = slot_mapping.numel()
+    if layout == "mla":
+        nb, bs, d = first.shape
+        want: tuple[int, ...] = (1, n_layers, t, d)
+    else:
+        logical = first.permute(*_TO_LOGICAL[layout])
+        _, nb, bs, h, d = logical.shape
+        want = (2, t, h * d) if fmt == "KV_2TD" else (2, n_layers, t, h * d)
+        if fmt == "KV_2TD" and n_layers != 1:
+            raise LayoutError(f"format KV_2TD holds one layer, got {n_layers} kv caches")
+    if tuple(chunk.shape) != want:
+        raise LayoutError(f"chunk shape {list(chunk.shape)} != expected {list(want)} for {fmt}")
+    if t and int(slot_mapping.max()) >= nb * bs:
+        raise LayoutError(
+            f"slot {int(slot_mapping.max())} is out of range: the cache has {nb * bs} slots"
+        )
+
+
+def _per_layer_chunks(chunk: torch.Tensor, fmt: ChunkFormat) -> list[torch.Tensor]:
+    """Views of the chunk, one per layer, each [2, T, X] (or [1, T, D] for MLA)."""
+    if fmt == "KV_2TD":
+        return [chunk]
+    return [chunk[:, layer] for layer in range(chunk.size(1))]
+
+
+def _split(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(valid slots, token positions of the valid slots or None when all are valid)."""
+    slots = slots.to(torch.long)
+    valid = slots >= 0
+    if bool(valid.all()):
+        return slots, None
+    pos = valid.nonzero().squeeze(1)
+    return slots[pos], pos
+
+
+def paged_to_chunk(
+    kv_caches: Sequence[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    layout: PagedLayout = "flash_nhd",
+    fmt: ChunkFormat = "KV_2LTD",
+) -> None:
+    """Gather the tokens at ``slot_mapping`` from every layer's paged cache into ``out``.
+
+    ``out[..., t, :]`` is left untouched where ``slot_mapping[t] < 0``.
+    """
+    _check(kv_caches, slot_mapping, out, layout, fmt)
+    fast = device.accelerated("paged_to_chunk", out)
+    if fast is not None:
+        fast(kv_caches, slot_mapping, out, layout=layout, fmt=fmt)
+        return
+    slots, pos = _split(slot_mapping.to(kv_caches[0].device))
+    if slots.numel() == 0:
+        return
+    for cache, dst in zip(kv_caches, _per_layer_chunks(out, fmt), strict=True):
+        src = _logical(cache, layout)
+        if layout == "mla":
+            rows = src.view(-1, src.size(-1)) if src.is_contiguous() else None
+            got = (
+                rows.index_select(0, slots)
+                if rows is not None
+                else src[slots // src.size(1), slots % src.size(1)]
+            )
+            _put_tokens(dst[0], pos, got)
+            continue
+        if src.dim() == 3:  # contiguous flash_nhd: [2, NB*BS, H*D]
+            for kv in range(2):
+                if pos is None and dst[kv].is_contiguous():
+                    torch.index_select(src[kv], 0, slots, out=dst[kv])
+                else:
+                    _put_tokens(dst[kv], pos, src[kv].index_select(0, slots))
+            continue
+        bs = src.size(2)
+        got = src[:, slots // bs, slots % bs]  # [2, T', H, D]
+        for kv in range(2):
+            _put_tokens(dst[kv], pos, got[kv].reshape(got.size(1), -1))
+
+
+def _put_tokens(dst: torch.Tensor, pos: torch.Tensor | None, rows: torch.Tensor) -> None:
+    if pos is None:
+        dst.copy_(rows)
+    else:
+        dst.index_copy_(0, pos, rows)
+
+
+def chunk_to_paged(
+    chunk: torch.Tensor,
+    kv_caches: Sequence[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    *,
+    layout: PagedLayout = "flash_nhd",
+    fmt: ChunkFormat = "KV_2LTD",
+) -> None:
+    """Scatter ``chunk`` into every layer's paged cache at ``slot_mapping``.
+
+    Tokens with ``slot < 0`` are skipped (their cache rows keep their contents). Duplicate
+    non-negative slots raise :class:`LayoutError`.
+    """
+    _check(kv_caches, slot_mapping, chunk, layout, fmt)
+    fast = device.accelerated("chunk_to_paged", chunk)
+    if fast is not None:
+        fast(chunk, kv_caches, slot_mapping, layout=layout, fmt=fmt)
+        return
+    slots, pos = _split(slot_mapping.to(kv_caches[0].device))
+    if slots.numel() == 0:
+        return
+    if torch.unique(slots).numel() != slots.numel():
+        raise LayoutError("slot_mapping has duplicate slots: a scatter would race; fix the engine")
+    for cache, src in zip(kv_caches, _per_layer_chunks(chunk, fmt), strict=True):
+        dst = _logical(cache, layout)
+
+        def rows_of(t: torch.Tensor) -> torch.Tensor:
+            return t if pos is None else t.index_select(0, pos)
+
+        if layout == "mla":
+            if dst.is_contiguous():
+                dst.view(-1, dst.size(-1)).index_copy_(0, slots, rows_of(src[0]))
+            else:
+                dst[slots // dst.size(1), slots % dst.size(1)] = rows_of(src[0])
+            continue
+        if dst.dim() == 3:  # contiguous flash_nhd
+            for kv in range(2):
+                dst[kv].index_copy_(0, slots, rows_of(src[kv]))
+            continue
+        bs, h, d = dst.size(2), dst.size(3), dst.size(4)
+        for kv in range(2):
+            dst[kv][slots // bs, slots % bs] = rows_of(src[kv]).reshape(-1, h, d)
