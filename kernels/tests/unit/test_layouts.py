@@ -227,3 +227,21 @@ def test_mismatches_raise_clear_errors(kwargs: dict[str, object], message: str) 
     out = torch.empty(kwargs["out_shape"], dtype=kwargs.get("dtype", torch.float32))  # type: ignore[call-overload]
     with pytest.raises(LayoutError, match=message):
         paged_to_chunk(caches, torch.tensor(kwargs["slots"]), out, fmt=kwargs.get("fmt", "KV_2LTD"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_whole_block_chunks_take_the_block_path_and_stay_exact(dtype: torch.dtype) -> None:
+    logical, caches = _caches("flash_nhd", dtype, 21)
+    blocks = [4, 0, 5]
+    slots = [b * BS + o for b in blocks for o in range(BS)]
+    sm = torch.tensor(slots)
+    out = torch.empty((2, L, len(slots), H * D), dtype=dtype)
+    paged_to_chunk(caches, sm, out)
+    assert _same(out, _expected_gather(logical, slots))
+    _, fresh = _caches("flash_nhd", dtype, 22)
+    before = [f.clone() for f in fresh]
+    chunk_to_paged(out, fresh, sm)
+    for f, b, c in zip(fresh, before, caches, strict=True):
+        for blk in range(NB):
+            want = c[:, blk] if blk in blocks else b[:, blk]
+            assert _same(f[:, blk], want)

@@ -165,6 +165,8 @@ def paged_to_chunk(
     slots, pos = _split(slot_mapping.to(kv_caches[0].device))
     if slots.numel() == 0:
         return
+    bs_flat = _block_size(kv_caches[0], layout)
+    blocks = _whole_blocks(slots, bs_flat) if pos is None else None
     for cache, dst in zip(kv_caches, _per_layer_chunks(out, fmt), strict=True):
         src = _logical(cache, layout)
         if layout == "mla":
@@ -178,8 +180,11 @@ def paged_to_chunk(
             continue
         if src.dim() == 3:  # contiguous flash_nhd: [2, NB*BS, H*D]
             for kv in range(2):
+                rows, idx = _rows(src[kv], slots, blocks, bs_flat)
                 if pos is None and dst[kv].is_contiguous():
-                    torch.index_select(src[kv], 0, slots, out=dst[kv])
+                    torch.index_select(
+                        rows, 0, idx, out=dst[kv].view(rows.dtype).view(-1, rows.size(1))
+                    )
                 else:
                     _put_tokens(dst[kv], pos, src[kv].index_select(0, slots))
             continue
@@ -187,6 +192,49 @@ def paged_to_chunk(
         got = src[:, slots // bs, slots % bs]  # [2, T', H, D]
         for kv in range(2):
             _put_tokens(dst[kv], pos, got[kv].reshape(got.size(1), -1))
+
+
+def _block_size(cache: torch.Tensor, layout: PagedLayout) -> int:
+    return (
+        int(cache.size(1)) if layout == "mla" else int(cache.permute(*_TO_LOGICAL[layout]).size(2))
+    )
+
+
+def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
+    """Block ids if the slots are whole blocks in order (the common case: a chunk of a request
+    whose blocks are full), else None. Whole-block copies move block_size rows per index."""
+    t = slots.numel()
+    if t % block_size:
+        return None
+    grid = slots.view(-1, block_size)
+    first = grid[:, :1]
+    if bool((first % block_size).any()) or not bool(
+        (grid - first == torch.arange(block_size, device=slots.device)).all()
+    ):
+        return None
+    return (first.squeeze(1) // block_size).contiguous()
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret a contiguous tensor as 8-byte words when its rows allow (copies of int64
+    run about twice as fast as of fp16 on CPU, as LMCache's kernels move 8-byte words)."""
+    if (t.size(-1) * t.element_size()) % 8 == 0:
+        try:
+            return t.view(torch.int64)
+        except RuntimeError:
+            return t
+    return t
+
+
+def _rows(
+    flat: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor | None, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a 2-D view of one contiguous [slots, X] plane, the row indices into it): whole blocks
+    when possible, 8-byte words when possible."""
+    words = _words(flat)
+    if blocks is not None:
+        return words.view(-1, block_size * words.size(1)), blocks
+    return words, slots
 
 
 def _put_tokens(dst: torch.Tensor, pos: torch.Tensor | None, rows: torch.Tensor) -> None:
@@ -219,6 +267,8 @@ def chunk_to_paged(
         return
     if torch.unique(slots).numel() != slots.numel():
         raise LayoutError("slot_mapping has duplicate slots: a scatter would race; fix the engine")
+    bs_flat = _block_size(kv_caches[0], layout)
+    blocks = _whole_blocks(slots, bs_flat) if pos is None else None
     for cache, src in zip(kv_caches, _per_layer_chunks(chunk, fmt), strict=True):
         dst = _logical(cache, layout)
 
@@ -233,7 +283,9 @@ def chunk_to_paged(
             continue
         if dst.dim() == 3:  # contiguous flash_nhd
             for kv in range(2):
-                dst[kv].index_copy_(0, slots, rows_of(src[kv]))
+                rows, idx = _rows(dst[kv], slots, blocks, bs_flat)
+                tokens = rows_of(src[kv]).contiguous()
+                rows.index_copy_(0, idx, _words(tokens).view(-1, rows.size(1)))
             continue
         bs, h, d = dst.size(2), dst.size(3), dst.size(4)
         for kv in range(2):
