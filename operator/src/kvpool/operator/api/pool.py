@@ -1,0 +1,231 @@
+"""KVCachePool: the cache domain — model KV shape, hashing, tiers, controller and gateway.
+
+Why: everything that must be identical across every process of a domain (seed, chunk size,
+hash algorithm, model, KV dtype, block size) lives here once, so members cannot disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kvpool.operator.api.common import (
+    ApiModel,
+    Condition,
+    MemoryBudget,
+    ObjectMeta,
+    Placement,
+    Quantity,
+    Resources,
+)
+
+KvDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8"]
+
+DTYPE_BYTES: dict[str, int] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+}
+
+
+class ModelSpec(ApiModel):
+    """The served model and the KV shape used for buffer sizing and memory budgets."""
+
+    name: str = Field(min_length=1, description="Model name or path served by every engine.")
+    num_layers: int = Field(ge=1, description="Transformer layers holding KV.")
+    num_kv_heads: int = Field(ge=1, description="KV heads (before tensor parallel split).")
+    head_dim: int = Field(ge=1, description="Head dimension (MLA: latent + rope dimension).")
+    kv_dtype: KvDtype = Field(default="bfloat16", description="KV cache dtype. Default bfloat16.")
+    mla: bool = Field(
+        default=False,
+        description="Multi-head latent attention (MLA/DSA): one latent per token, not split "
+        "across TP ranks. Default false.",
+    )
+
+
+class CpuTier(ApiModel):
+    """Pinned host memory tier (LMCache local_cpu), per LMCache worker (TP rank)."""
+
+    size: Quantity = Field(description="CPU cache per TP rank, e.g. 16Gi.")
+
+
+class DiskTier(ApiModel):
+    """Local disk tier (LMCache local_disk). Mutually exclusive with P2P in one domain."""
+
+    path: str = Field(pattern=r"^/", description="Absolute directory inside the worker pod.")
+    size: Quantity = Field(description="Disk cache per TP rank, e.g. 100Gi.")
+
+
+class MooncakeTier(ApiModel):
+    """Mooncake store: the operator runs the master, an HTTP metadata server and a store
+    process that contributes the memory segment (engines contribute none)."""
+
+    segment_size: Quantity = Field(description="Memory the store process contributes, e.g. 32Gi.")
+    local_buffer_size: Quantity = Field(
+        default=1073741824, description="Per-engine transfer buffer. Default 1Gi."
+    )
+    master_port: int = Field(default=50051, ge=1, le=65535, description="Default 50051.")
+    metadata_port: int = Field(default=8080, ge=1, le=65535, description="Default 8080.")
+    eviction_high_watermark_ratio: float = Field(
+        default=0.95, gt=0, le=1, description="Evict when usage reaches this ratio. Default 0.95."
+    )
+    eviction_ratio: float = Field(
+        default=0.05, gt=0, le=1, description="Fraction of objects evicted. Default 0.05."
+    )
+    protocol: Literal["tcp", "rdma"] = Field(default="tcp", description="Default tcp.")
+    device_name: str = Field(default="", description="RDMA device; empty for tcp.")
+
+
+class RedisTier(ApiModel):
+    """Redis remote tier."""
+
+    url: str = Field(pattern=r"^(redis|rediss|redis-sentinel|valkey)://", description="Redis URL.")
+
+
+class RemoteTier(ApiModel):
+    """Exactly one remote tier: mooncake or redis."""
+
+    mooncake: MooncakeTier | None = None
+    redis: RedisTier | None = None
+    serde: Literal["naive", "cachegen", "kivi"] = Field(
+        default="naive", description="remote_serde. Default naive."
+    )
+
+
+class Tiers(ApiModel):
+    """Storage tiers below the accelerator: DDR, SSD, remote pool."""
+
+    cpu: CpuTier = Field(default_factory=lambda: CpuTier(size=5 * 2**30))
+    disk: DiskTier | None = None
+    remote: RemoteTier | None = None
+
+
+class ControllerPorts(ApiModel):
+    """Controller ports, mirroring lmcache_controller's --port and --monitor-ports."""
+
+    http: int = Field(default=9000, ge=1, le=65535, description="HTTP API. Default 9000.")
+    pull: int = Field(default=8300, ge=1, le=65535, description="ZMQ PULL. Default 8300.")
+    reply: int = Field(default=8400, ge=1, le=65535, description="ZMQ ROUTER. Default 8400.")
+    heartbeat: int = Field(default=8500, ge=1, le=65535, description="Heartbeat. Default 8500.")
+
+
+class Persistence(ApiModel):
+    """How the controller survives a restart."""
+
+    mode: Literal["none", "redis", "full-sync"] = Field(
+        default="full-sync", description="Default full-sync (workers re-send their keys)."
+    )
+    redis_url: str | None = Field(default=None, description="Required when mode is redis.")
+
+
+class ControllerSpec(ApiModel):
+    """The KV controller Deployment."""
+
+    replicas: int = Field(default=1, ge=1, le=1, description="Default 1 (single writer).")
+    ports: ControllerPorts = Field(default_factory=ControllerPorts)
+    persistence: Persistence = Field(default_factory=Persistence)
+    health_check_interval_seconds: int = Field(default=10, ge=1, description="Default 10.")
+    worker_timeout_seconds: int = Field(default=60, ge=1, description="Default 60.")
+    resources: Resources = Field(default_factory=Resources)
+
+
+class RoutingWeights(ApiModel):
+    """Scoring weights: score = prefixHit x cached tokens - load x queued requests."""
+
+    prefix_hit: float = Field(default=1.0, ge=0, description="Default 1.0.")
+    load: float = Field(default=0.5, ge=0, description="Default 0.5.")
+
+
+class Routing(ApiModel):
+    """Gateway routing policy."""
+
+    policy: Literal["kv-aware", "least-load", "round-robin"] = Field(
+        default="kv-aware", description="Default kv-aware."
+    )
+    weights: RoutingWeights = Field(default_factory=RoutingWeights)
+
+
+class SecretKeyRef(ApiModel):
+    """A key of a Secret in the pool's namespace."""
+
+    name: str
+    key: str = "token"
+
+
+class GatewaySpec(ApiModel):
+    """The KV-affinity gateway Deployment (OpenAI-compatible)."""
+
+    replicas: int = Field(default=1, ge=1, description="Default 1.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Default 8000.")
+    routing: Routing = Field(default_factory=Routing)
+    auth_secret_ref: SecretKeyRef | None = Field(default=None, description="Bearer token secret.")
+    resources: Resources = Field(default_factory=Resources)
+
+
+class Images(ApiModel):
+    """Container images."""
+
+    controller: str = Field(default="ghcr.io/kvpool/controller:0.1.0")
+    gateway: str = Field(default="ghcr.io/kvpool/gateway:0.1.0")
+    worker: str = Field(default="ghcr.io/kvpool/worker:0.1.0")
+    mooncake: str = Field(default="ghcr.io/kvpool/mooncake:0.1.0")
+
+
+class KVCachePoolSpec(ApiModel):
+    """A cache domain."""
+
+    model: ModelSpec
+    chunk_size: int = Field(default=256, ge=1, description="Tokens per chunk. Default 256.")
+    block_size: int = Field(
+        default=128, ge=1, description="vLLM --block-size for every engine. Default 128."
+    )
+    hash_seed: str = Field(
+        default="auto",
+        pattern=r"^(auto|[0-9]{1,10})$",
+        description="PYTHONHASHSEED for every process of the domain, or auto (derived once "
+        "from the pool's uid and kept in status). Default auto.",
+    )
+    hash_algorithm: Literal["builtin", "sha256_cbor"] = Field(
+        default="builtin", description="pre_caching_hash_algorithm. Default builtin."
+    )
+    tiers: Tiers = Field(default_factory=Tiers)
+    controller: ControllerSpec = Field(default_factory=ControllerSpec)
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    images: Images = Field(default_factory=Images)
+    placement: Placement = Field(default_factory=Placement)
+    node_allocatable_memory: Quantity | None = Field(
+        default=None,
+        description="Allocatable memory of a worker node; when set, a warning is raised if "
+        "one instance needs more host memory than this.",
+    )
+
+
+class KVCachePoolStatus(ApiModel):
+    """Observed state of a cache domain."""
+
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    resolved_hash_seed: str | None = Field(default=None, description="The seed in use.")
+    domain_fingerprint: str | None = None
+    controller_endpoint: str | None = None
+    gateway_endpoint: str | None = None
+    members: list[str] = Field(default_factory=list, description="Kind/name of each member.")
+    instances_ready: int = 0
+    instances_desired: int = 0
+    memory_budget: dict[str, MemoryBudget] = Field(
+        default_factory=dict, description="Host memory per member, keyed by Kind/name."
+    )
+
+
+class KVCachePool(ApiModel):
+    """KVCachePool custom resource."""
+
+    api_version: Literal["kvpool.io/v1alpha1"] = "kvpool.io/v1alpha1"
+    kind: Literal["KVCachePool"] = "KVCachePool"
+    metadata: ObjectMeta
+    spec: KVCachePoolSpec
+    status: KVCachePoolStatus | None = None

@@ -1,0 +1,30 @@
+"""Pure render: a pool and its members in, Kubernetes objects (dicts) out.
+
+No clock, no environment, no globals: the same input always yields the same objects, which the
+golden-file tests pin. The kopf glue adopts and applies them; the CLI prints them.
+"""
+
+from __future__ import annotations
+
+from kvpool.operator.api.members import P2PGroup, PDPair
+from kvpool.operator.api.pool import KVCachePool
+from kvpool.operator.render.k8s import Obj
+from kvpool.operator.render.member_objects import lmcache_configs, member_objects
+from kvpool.operator.render.pool_objects import pool_objects
+
+
+def render(pool: KVCachePool, member: P2PGroup | PDPair) -> list[Obj]:
+    """The child objects of one member (P2PGroup or PDPair) of ``pool``'s domain."""
+    return member_objects(pool, member)
+
+
+def render_domain(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list[Obj]:
+    """The pool's own objects followed by every member's, members sorted by kind and name."""
+    ordered = sorted(members, key=lambda m: (m.kind, m.metadata.name))
+    out = pool_objects(pool, ordered)
+    for member in ordered:
+        out.extend(member_objects(pool, member))
+    return out
+
+
+__all__ = ["Obj", "lmcache_configs", "render", "render_domain"]

@@ -1,0 +1,341 @@
+"""Per-instance LMCache YAML (as dicts), with the pinned LMCache version's real keys.
+
+Why: LMCache logs and ignores unknown keys, so a misspelt or wrong-version key silently changes
+nothing. Upstream keys are listed from lmcache 0.5.6's ``_CONFIG_DEFINITIONS`` (the e2e test
+checks the list against the installed package); LMCache-Ascend's additional keys are rendered
+only for the ascend platform and are checked against their own explicit list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.operator.api.members import EngineSpec, P2PGroup, PDPair
+from kvpool.operator.api.pool import KVCachePool
+from kvpool.operator.quantity import GIB
+from kvpool.operator.render import names
+from kvpool.operator.render.ports import InstancePorts
+from kvpool.operator.render.sizing import default_pd_buffer_device
+
+#: Top-level keys of lmcache 0.5.6 ``lmcache.v1.config._CONFIG_DEFINITIONS`` that kvpool may render
+#: or accept as overrides (the e2e test asserts each one exists in the installed LMCache).
+UPSTREAM_KEYS: frozenset[str] = frozenset(
+    [
+        "chunk_size",
+        "local_cpu",
+        "max_local_cpu_size",
+        "local_cpu_use_hugepages",
+        "reserve_local_cpu_size",
+        "local_disk",
+        "local_disk_path_sharding",
+        "max_local_disk_size",
+        "remote_url",
+        "remote_serde",
+        "use_layerwise",
+        "save_decode_cache",
+        "pre_caching_hash_algorithm",
+        "enable_blending",
+        "blend_recompute_ratios",
+        "blend_thresholds",
+        "blend_check_layers",
+        "blend_min_tokens",
+        "blend_special_str",
+        "retrieve_locations",
+        "store_location",
+        "enable_p2p",
+        "p2p_host",
+        "p2p_init_ports",
+        "p2p_lookup_ports",
+        "enable_controller",
+        "lmcache_instance_id",
+        "controller_pull_url",
+        "controller_reply_url",
+        "lmcache_worker_ports",
+        "lmcache_worker_ids",
+        "lmcache_worker_heartbeat_delay_time",
+        "lmcache_worker_heartbeat_time",
+        "enable_pd",
+        "pd_role",
+        "pd_buffer_size",
+        "pd_buffer_device",
+        "pd_peer_host",
+        "pd_peer_init_port",
+        "pd_peer_alloc_port",
+        "pd_peer_query_port",
+        "pd_proxy_host",
+        "pd_proxy_port",
+        "pd_allocation_timeout_sec",
+        "pd_shutdown_timeout_sec",
+        "pd_max_prefill_len",
+        "pd_backend_mode",
+        "pd_skip_proxy_notification",
+        "transfer_channel",
+        "nixl_backends",
+        "nixl_buffer_size",
+        "nixl_buffer_device",
+        "internal_api_server_host",
+        "extra_config",
+        "save_unfull_chunk",
+        "blocking_timeout_secs",
+        "py_enable_gc",
+        "cache_policy",
+        "numa_mode",
+        "enable_async_loading",
+        "internal_api_server_enabled",
+        "internal_api_server_port_start",
+        "priority_limit",
+        "lookup_timeout_ms",
+        "min_retrieve_tokens",
+        "enable_kv_events",
+    ]
+)
+
+#: Keys LMCache-Ascend adds to the config (reference/lmcache-and-ascend.md §3 and the seed
+#: manual); rendered only for platform ascend.
+ASCEND_ONLY_KEYS: frozenset[str] = frozenset(
+    [
+        "p2p_use_npu",
+        "p2p_npu_buffer_size",
+        "p2p_pull_mode",
+        "p2p_delay_pull",
+        "pd_pull_mode",
+        "pd_delay_pull",
+        "pd_pull_done_port",
+        "pd_pull_pending_ttl",
+        "pd_use_cpu_offload",
+        "pd_cpu_buffer_size",
+        "store_async",
+        "store_async_max_queue_size",
+    ]
+)
+
+#: Keys kvpool derives itself; an override of one is an error (it would break the contract).
+MANAGED_KEYS: frozenset[str] = frozenset(
+    [
+        "chunk_size",
+        "local_cpu",
+        "max_local_cpu_size",
+        "local_disk",
+        "max_local_disk_size",
+        "remote_url",
+        "pre_caching_hash_algorithm",
+        "enable_p2p",
+        "p2p_host",
+        "p2p_init_ports",
+        "p2p_lookup_ports",
+        "enable_controller",
+        "lmcache_instance_id",
+        "controller_pull_url",
+        "controller_reply_url",
+        "lmcache_worker_ports",
+        "enable_pd",
+        "pd_role",
+        "pd_buffer_size",
+        "pd_buffer_device",
+        "pd_peer_host",
+        "pd_peer_init_port",
+        "pd_peer_alloc_port",
+        "pd_proxy_host",
+        "pd_proxy_port",
+        "transfer_channel",
+        "nixl_backends",
+        "extra_config",
+        "save_unfull_chunk",
+        "use_layerwise",
+        "enable_async_loading",
+        "cache_policy",
+        "p2p_use_npu",
+        "p2p_npu_buffer_size",
+        "p2p_pull_mode",
+        "p2p_delay_pull",
+        "pd_pull_mode",
+        "pd_delay_pull",
+        "pd_pull_done_port",
+        "pd_pull_pending_ttl",
+        "pd_use_cpu_offload",
+        "pd_cpu_buffer_size",
+    ]
+)
+
+_CHANNEL_DEFAULT = {"ascend": "hccl", "cuda": "nixl", "cpu": "nixl"}
+
+
+def default_channel(platform: str, channel: str | None) -> str:
+    """transfer_channel when the spec leaves it unset."""
+    return channel or _CHANNEL_DEFAULT[platform]
+
+
+def _gb(size: int) -> float:
+    """LMCache sizes local tiers in GiB floats (size * 1024**3 bytes)."""
+    return round(size / GIB, 6)
+
+
+def _tiers(pool: KVCachePool, instance: str, *, local_cpu: bool) -> dict[str, Any]:
+    spec = pool.spec
+    ns = pool.metadata.namespace
+    cfg: dict[str, Any] = {"local_cpu": local_cpu}
+    if local_cpu:
+        cfg["max_local_cpu_size"] = _gb(spec.tiers.cpu.size)
+    if spec.tiers.disk is not None:
+        cfg["local_disk"] = f"file://{spec.tiers.disk.path.rstrip('/')}/"
+        cfg["max_local_disk_size"] = _gb(spec.tiers.disk.size)
+    remote = spec.tiers.remote
+    if remote is not None and remote.redis is not None:
+        cfg["remote_url"] = remote.redis.url
+        cfg["remote_serde"] = remote.serde
+    elif remote is not None and remote.mooncake is not None:
+        mc = remote.mooncake
+        master = names.service_host(names.mooncake_name(pool, "master"), ns)
+        metadata = names.service_host(names.mooncake_name(pool, "metadata"), ns)
+        cfg["remote_url"] = f"mooncakestore://{master}:{mc.master_port}/"
+        cfg["remote_serde"] = remote.serde
+        cfg["extra_config"] = {
+            "local_hostname": names.instance_pod_host(instance, ns),
+            "metadata_server": f"http://{metadata}:{mc.metadata_port}/metadata",
+            "master_server_address": f"{master}:{mc.master_port}",
+            "protocol": mc.protocol,
+            "device_name": mc.device_name,
+            "global_segment_size": 0,
+            "local_buffer_size": mc.local_buffer_size,
+        }
+    return cfg
+
+
+def _common(pool: KVCachePool, inst: InstancePorts, fingerprint: str) -> dict[str, Any]:
+    return {
+        "chunk_size": pool.spec.chunk_size,
+        "pre_caching_hash_algorithm": pool.spec.hash_algorithm,
+        "lmcache_instance_id": names.instance_id(inst.name, fingerprint),
+    }
+
+
+def _controller(pool: KVCachePool, inst: InstancePorts) -> dict[str, Any]:
+    host = names.service_host(names.controller_name(pool), pool.metadata.namespace)
+    ports = pool.spec.controller.ports
+    return {
+        "enable_controller": True,
+        "controller_pull_url": f"{host}:{ports.pull}",
+        "controller_reply_url": f"{host}:{ports.reply}",
+        "lmcache_worker_ports": inst.lists["lmcache_worker_ports"],
+        "lmcache_worker_heartbeat_time": pool.spec.controller.health_check_interval_seconds,
+    }
+
+
+def _with_overrides(cfg: dict[str, Any], engine: EngineSpec) -> dict[str, Any]:
+    for key, value in sorted(engine.lmcache_overrides.items()):
+        if key not in MANAGED_KEYS:
+            cfg[key] = value
+    return dict(sorted(cfg.items()))
+
+
+def p2p_config(
+    pool: KVCachePool, group: P2PGroup, inst: InstancePorts, fingerprint: str
+) -> dict[str, Any]:
+    """LMCache config of one P2P instance (kv_both, registered with the controller)."""
+    spec = group.spec
+    platform = spec.engine.platform
+    transfer = spec.transfer
+    channel = default_channel(platform, transfer.channel)
+    ns = pool.metadata.namespace
+    cfg = _common(pool, inst, fingerprint)
+    cfg.update(_tiers(pool, inst.name, local_cpu=True))
+    cfg.update(_controller(pool, inst))
+    cfg.update(
+        {
+            "enable_p2p": True,
+            "p2p_host": names.instance_pod_host(inst.name, ns),
+            "p2p_init_ports": inst.lists["p2p_init_ports"],
+            "p2p_lookup_ports": inst.lists["p2p_lookup_ports"],
+            "transfer_channel": channel,
+            "enable_async_loading": spec.enable_async_loading,
+            "use_layerwise": spec.use_layerwise,
+        }
+    )
+    if spec.cache_policy is not None:
+        cfg["cache_policy"] = spec.cache_policy
+    if channel == "nixl":
+        cfg["nixl_backends"] = ["UCX"]
+    extra: dict[str, Any] = dict(cfg.get("extra_config", {}))
+    if platform == "ascend":
+        cfg.update(
+            {
+                "p2p_use_npu": transfer.use_npu,
+                "p2p_pull_mode": transfer.pull_mode,
+                "p2p_delay_pull": transfer.delay_pull,
+                "p2p_npu_buffer_size": transfer.npu_buffer_size,
+            }
+        )
+        extra["p2p_pull_pending_ttl"] = transfer.pull_pending_ttl_seconds
+        extra["lookup_backoff_time"] = transfer.lookup_backoff_seconds
+        extra["use_host_staging"] = transfer.host_staging.enabled
+        if transfer.host_staging.enabled:
+            extra["os_staging_bytes"] = transfer.host_staging.bytes
+    if spec.save_only_first_rank:
+        extra["save_only_first_rank"] = True
+    if extra:
+        cfg["extra_config"] = dict(sorted(extra.items()))
+    return _with_overrides(cfg, spec.engine)
+
+
+def pd_sender_pull(pair: PDPair) -> bool:
+    """Whether the PD mode makes the decoder pull (the sender then collects Done)."""
+    return pair.spec.transfer.mode != "push"
+
+
+def pd_config(
+    pool: KVCachePool, pair: PDPair, inst: InstancePorts, fingerprint: str
+) -> dict[str, Any]:
+    """LMCache config of one prefill (sender) or decode (receiver) instance."""
+    spec = pair.spec
+    role = spec.prefill if inst.role == "prefill" else spec.decode
+    platform = role.engine.platform
+    transfer = spec.transfer
+    channel = default_channel(platform, transfer.channel)
+    ns = pool.metadata.namespace
+    cfg = _common(pool, inst, fingerprint)
+    cfg.update(_tiers(pool, inst.name, local_cpu=False))
+    cfg.update(
+        {
+            "enable_pd": True,
+            "transfer_channel": channel,
+            "pd_buffer_size": transfer.buffer_size,
+            "pd_buffer_device": default_pd_buffer_device(pair),
+            "use_layerwise": spec.use_layerwise,
+        }
+    )
+    if channel == "nixl":
+        cfg["nixl_backends"] = ["UCX"]
+    pull = transfer.mode != "push"
+    delay = transfer.mode in ("pull-delay", "cpu-offload-pull-delay")
+    if inst.role == "prefill":
+        gateway = names.service_host(names.gateway_name(pool), ns)
+        cfg.update(
+            {
+                "pd_role": "sender",
+                "pd_proxy_host": gateway,
+                "pd_proxy_port": spec.proxy.port,
+                "save_unfull_chunk": True,
+            }
+        )
+        if platform == "ascend":
+            cfg["pd_pull_mode"] = pull
+            cfg["pd_delay_pull"] = delay
+            cfg["pd_use_cpu_offload"] = transfer.mode == "cpu-offload-pull-delay"
+            if pull:
+                cfg["pd_pull_done_port"] = inst.lists["pd_pull_done_port"]
+                cfg["pd_pull_pending_ttl"] = transfer.pull_pending_ttl_seconds
+            if transfer.mode == "cpu-offload-pull-delay":
+                cfg["pd_cpu_buffer_size"] = transfer.cpu_buffer_size
+    else:
+        cfg.update(
+            {
+                "pd_role": "receiver",
+                "pd_peer_host": names.instance_pod_host(inst.name, ns),
+                "pd_peer_init_port": inst.lists["pd_peer_init_port"],
+                "pd_peer_alloc_port": inst.lists["pd_peer_alloc_port"],
+            }
+        )
+        if platform == "ascend":
+            cfg["pd_pull_mode"] = pull
+            cfg["pd_delay_pull"] = delay
+    return _with_overrides(cfg, role.engine)

@@ -1,0 +1,239 @@
+"""Objects of a P2PGroup or PDPair: per-instance StatefulSets, Services, LMCache ConfigMap, PDB.
+
+Why: each instance is its own single-pod StatefulSet because each has its own ports, LMCache
+config and instance id; a headless Service per instance gives the pod a stable DNS name that
+the LMCache config can name (p2p_host, pd_peer_host, Mooncake local_hostname). LMCache's own
+loader lets env override file keys, so the pod IP (downward API) replaces the DNS name at run
+time via LMCACHE_P2P_HOST / LMCACHE_PD_PEER_HOST.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from kvpool.operator.api.members import EngineSpec, P2PGroup, PDPair
+from kvpool.operator.api.pool import KVCachePool
+from kvpool.operator.render import k8s, names
+from kvpool.operator.render.fingerprint import pool_fingerprint
+from kvpool.operator.render.lmcache_config import p2p_config, pd_config, pd_sender_pull
+from kvpool.operator.render.ports import InstancePorts, p2p_ports, pd_ports
+
+Obj = k8s.Obj
+
+_CONNECTOR = {"ascend": "LMCacheAscendConnector", "cuda": "LMCacheConnectorV1"}
+_KV_ROLE = {"p2p": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+def worker_env(pool: KVCachePool, engine: EngineSpec, inst: InstancePorts) -> list[Obj]:
+    """Rule 9 env plus the domain env (rule 1) and the pod IP for LMCache's host keys."""
+    out = [
+        *k8s.domain_env(pool),
+        k8s.env("LMCACHE_TRACK_USAGE", "false"),
+        k8s.env("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
+        k8s.env("VLLM_WORKER_MULTIPROC_METHOD", "spawn"),
+        k8s.env("LMCACHE_CONFIG_FILE", names.LMCACHE_CONFIG_FILE),
+        k8s.env("KVPOOL_INSTANCE", inst.name),
+        k8s.field_env("POD_IP", "status.podIP"),
+    ]
+    if inst.role == "p2p":
+        out.append(k8s.field_env("LMCACHE_P2P_HOST", "status.podIP"))
+    elif inst.role == "decode":
+        out.append(k8s.field_env("LMCACHE_PD_PEER_HOST", "status.podIP"))
+    return out
+
+
+def kv_transfer_config(engine: EngineSpec, inst: InstancePorts) -> dict[str, Any]:
+    """vLLM --kv-transfer-config: connector, role and the instance's distinct rpc identifier."""
+    extra: dict[str, Any] = {"lmcache_rpc_port": inst.name}
+    if inst.role in ("prefill", "decode"):
+        extra["discard_partial_chunks"] = False
+    if inst.role == "decode":
+        extra["skip_last_n_tokens"] = 1
+    return {
+        "kv_connector": _CONNECTOR.get(engine.platform, "kvpool-reference"),
+        "kv_role": _KV_ROLE[inst.role],
+        "kv_connector_extra_config": extra,
+    }
+
+
+def worker_command(
+    pool: KVCachePool, engine: EngineSpec, tp: int, inst: InstancePorts
+) -> list[str]:
+    """``kvpool-worker serve``: vLLM on ascend/cuda, the reference engine on cpu."""
+    return [
+        "kvpool-worker",
+        "serve",
+        "--engine",
+        "reference" if engine.platform == "cpu" else "vllm",
+        "--model",
+        pool.spec.model.name,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(inst.http),
+        "--tensor-parallel-size",
+        str(tp),
+        "--block-size",
+        str(pool.spec.block_size),
+        "--max-model-len",
+        str(engine.max_model_len),
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(engine, inst), sort_keys=True, separators=(",", ":")),
+        *engine.args,
+    ]
+
+
+def _port_names(inst: InstancePorts) -> dict[str, int]:
+    short = {
+        "lmcache_worker_ports": "wrk",
+        "p2p_init_ports": "p2pinit",
+        "p2p_lookup_ports": "p2plkp",
+        "pd_peer_init_port": "pdinit",
+        "pd_peer_alloc_port": "pdalloc",
+        "pd_pull_done_port": "pddone",
+    }
+    out = {"http": inst.http}
+    for key, ports in inst.lists.items():
+        for rank, port in enumerate(ports):
+            out[f"{short[key]}-{rank}"] = port
+    return out
+
+
+def instance_objects(
+    pool: KVCachePool,
+    member: P2PGroup | PDPair,
+    inst: InstancePorts,
+    engine: EngineSpec,
+    tp: int,
+) -> list[Obj]:
+    """StatefulSet (1 replica) and headless Service of one instance."""
+    ns = pool.metadata.namespace
+    spec = member.spec
+    labels = {
+        **names.pool_labels(pool, "worker"),
+        names.LABEL_MEMBER: member.metadata.name,
+        names.LABEL_INSTANCE: inst.name,
+        names.LABEL_ROLE: inst.role,
+    }
+    extra_limits: dict[str, str] = {}
+    accelerator = engine.accelerator()
+    if accelerator:
+        count = engine.accelerator_count if engine.accelerator_count is not None else tp
+        extra_limits[accelerator] = str(count)
+    volumes: list[Obj] = [
+        {
+            "name": "lmcache-config",
+            "configMap": {
+                "name": names.lmcache_configmap_name(member),
+                "items": [{"key": names.instance_config_key(inst.name), "path": "lmcache.yaml"}],
+            },
+        },
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    mounts: list[Obj] = [
+        {"name": "lmcache-config", "mountPath": names.LMCACHE_CONFIG_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    disk = pool.spec.tiers.disk
+    if disk is not None:
+        volumes.append({"name": "kv-disk", "emptyDir": {"sizeLimit": str(disk.size * tp)}})
+        mounts.append({"name": "kv-disk", "mountPath": disk.path})
+    container = k8s.container(
+        "engine",
+        engine.image or pool.spec.images.worker,
+        worker_command(pool, engine, tp, inst),
+        worker_env(pool, engine, inst),
+        _port_names(inst),
+        k8s.resources(engine.resources, extra_limits),
+        k8s.http_probe(inst.http, "/health"),
+    )
+    container["volumeMounts"] = mounts
+    pod: Obj = {
+        "containers": [container],
+        "volumes": volumes,
+        **k8s.placement(spec.placement),
+    }
+    if spec.host_network:
+        pod["hostNetwork"] = True
+        pod["dnsPolicy"] = "ClusterFirstWithHostNet"
+    sts: Obj = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": k8s.meta(inst.name, ns, labels),
+        "spec": {
+            "replicas": 1,
+            "serviceName": inst.name,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": dict(sorted(labels.items()))},
+            "template": {
+                "metadata": {
+                    "labels": dict(sorted(labels.items())),
+                    "annotations": dict(sorted(k8s.pod_annotations(pool).items())),
+                },
+                "spec": pod,
+            },
+        },
+    }
+    svc = k8s.service(inst.name, ns, labels, _port_names(inst), headless=True)
+    return [sts, svc]
+
+
+def member_instances(member: P2PGroup | PDPair) -> list[InstancePorts]:
+    """Every instance of a member with its ports."""
+    if isinstance(member, P2PGroup):
+        return p2p_ports(member)
+    return pd_ports(member, sender_pull=pd_sender_pull(member))
+
+
+def lmcache_configs(pool: KVCachePool, member: P2PGroup | PDPair) -> dict[str, dict[str, Any]]:
+    """The LMCache config of every instance, keyed by instance name."""
+    fingerprint = pool_fingerprint(pool)
+    out: dict[str, dict[str, Any]] = {}
+    for inst in member_instances(member):
+        if isinstance(member, P2PGroup):
+            out[inst.name] = p2p_config(pool, member, inst, fingerprint)
+        else:
+            out[inst.name] = pd_config(pool, member, inst, fingerprint)
+    return out
+
+
+def member_objects(pool: KVCachePool, member: P2PGroup | PDPair) -> list[Obj]:
+    """Every object a member owns."""
+    ns = pool.metadata.namespace
+    name = member.metadata.name
+    base_labels = {**names.pool_labels(pool, "worker"), names.LABEL_MEMBER: name}
+    configs = lmcache_configs(pool, member)
+    header = (
+        f"# Rendered by kvpool for {member.kind} {ns}/{name}; domain "
+        f"{pool_fingerprint(pool)}. Do not edit: the operator overwrites it.\n"
+    )
+    data = {
+        names.instance_config_key(inst): header + yaml.safe_dump(cfg, sort_keys=True)
+        for inst, cfg in configs.items()
+    }
+    out: list[Obj] = [
+        k8s.configmap(names.lmcache_configmap_name(member), ns, base_labels, data),
+    ]
+    for inst in member_instances(member):
+        if isinstance(member, P2PGroup):
+            engine, tp = member.spec.engine, member.spec.tensor_parallel_size
+        else:
+            role = member.spec.prefill if inst.role == "prefill" else member.spec.decode
+            engine, tp = role.engine, role.tensor_parallel_size
+        out.extend(instance_objects(pool, member, inst, engine, tp))
+    out.append(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": k8s.meta(name, ns, base_labels),
+            "spec": {
+                "selector": dict(sorted(base_labels.items())),
+                "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+            },
+        }
+    )
+    out.append(k8s.pdb(name, ns, base_labels, 1))
+    return out

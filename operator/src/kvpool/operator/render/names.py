@@ -1,0 +1,76 @@
+"""Names, labels and in-cluster addresses of everything the operator renders.
+
+Why: the controller address in a worker's LMCache config, the Service the renderer creates and
+the status endpoint must be spelled identically; one module spells them.
+"""
+
+from __future__ import annotations
+
+from kvpool.operator.api.members import P2PGroup, PDPair
+from kvpool.operator.api.pool import KVCachePool
+
+LABEL_POOL = "kvpool.io/pool"
+LABEL_COMPONENT = "kvpool.io/component"
+LABEL_MEMBER = "kvpool.io/member"
+LABEL_INSTANCE = "kvpool.io/instance"
+LABEL_ROLE = "kvpool.io/role"
+ANNOTATION_ROLLOUT = "kvpool.io/domain-rollout-hash"
+ANNOTATION_FINGERPRINT = "kvpool.io/domain-fingerprint"
+
+LMCACHE_CONFIG_DIR = "/etc/kvpool/lmcache"
+LMCACHE_CONFIG_FILE = f"{LMCACHE_CONFIG_DIR}/lmcache.yaml"
+
+
+def controller_name(pool: KVCachePool) -> str:
+    """Deployment and Service name of the pool's controller."""
+    return f"{pool.metadata.name}-controller"
+
+
+def gateway_name(pool: KVCachePool) -> str:
+    """Deployment and Service name of the pool's gateway."""
+    return f"{pool.metadata.name}-gateway"
+
+
+def domain_configmap_name(pool: KVCachePool) -> str:
+    """ConfigMap holding the domain seed and fingerprint."""
+    return f"{pool.metadata.name}-domain"
+
+
+def mooncake_name(pool: KVCachePool, part: str) -> str:
+    """Name of a Mooncake part: master, metadata or store."""
+    return f"{pool.metadata.name}-mooncake-{part}"
+
+
+def service_host(name: str, namespace: str) -> str:
+    """The cluster DNS name of a Service."""
+    return f"{name}.{namespace}.svc"
+
+
+def instance_pod_host(instance: str, namespace: str) -> str:
+    """Stable DNS name of an instance's pod (StatefulSet pod 0 behind its headless Service)."""
+    return f"{instance}-0.{instance}.{namespace}.svc"
+
+
+def lmcache_configmap_name(member: P2PGroup | PDPair) -> str:
+    """ConfigMap with one LMCache YAML per instance, key ``<instance>.yaml``."""
+    return f"{member.metadata.name}-lmcache"
+
+
+def instance_config_key(instance: str) -> str:
+    """Key of an instance's LMCache YAML in the member's ConfigMap."""
+    return f"{instance}.yaml"
+
+
+def instance_id(instance: str, fingerprint: str) -> str:
+    """lmcache_instance_id: ``<instance>~<fingerprint>``, so registration reveals the domain."""
+    return f"{instance}~{fingerprint}"
+
+
+def pool_labels(pool: KVCachePool, component: str) -> dict[str, str]:
+    """Labels every object of the pool carries."""
+    return {
+        "app.kubernetes.io/name": "kvpool",
+        "app.kubernetes.io/managed-by": "kvpool-operator",
+        LABEL_POOL: pool.metadata.name,
+        LABEL_COMPONENT: component,
+    }

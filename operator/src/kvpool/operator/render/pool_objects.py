@@ -1,0 +1,297 @@
+"""Objects of the pool itself: domain ConfigMap, controller, gateway and the Mooncake parts.
+
+Why: these processes serve every member of the domain; they get the same PYTHONHASHSEED and
+fingerprint as the workers and the same rollout hash, so a domain change restarts them too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from kvpool.operator.api.members import P2PGroup, PDPair
+from kvpool.operator.api.pool import KVCachePool
+from kvpool.operator.render import k8s, names
+from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
+from kvpool.operator.render.lmcache_config import pd_sender_pull
+from kvpool.operator.render.ports import p2p_ports, pd_ports
+
+Obj = k8s.Obj
+
+
+def domain_configmap(pool: KVCachePool) -> Obj:
+    """The domain's seed and fingerprint, readable by tools and people (`kubectl get cm`)."""
+    spec = pool.spec
+    return k8s.configmap(
+        names.domain_configmap_name(pool),
+        pool.metadata.namespace,
+        names.pool_labels(pool, "domain"),
+        {
+            "PYTHONHASHSEED": resolve_hash_seed(pool),
+            "KVPOOL_DOMAIN_FINGERPRINT": pool_fingerprint(pool),
+            "chunkSize": str(spec.chunk_size),
+            "blockSize": str(spec.block_size),
+            "hashAlgorithm": spec.hash_algorithm,
+            "model": spec.model.name,
+            "kvDtype": spec.model.kv_dtype,
+        },
+    )
+
+
+def controller_objects(pool: KVCachePool) -> list[Obj]:
+    """Controller Deployment and Service; flags mirror lmcache_controller's."""
+    spec = pool.spec.controller
+    ns = pool.metadata.namespace
+    name = names.controller_name(pool)
+    labels = names.pool_labels(pool, "controller")
+    ports = spec.ports
+    monitor = json.dumps(
+        {"pull": ports.pull, "reply": ports.reply, "heartbeat": ports.heartbeat},
+        separators=(", ", ": "),
+    )
+    command = [
+        "kvpool-controller",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ports.http),
+        "--monitor-ports",
+        monitor,
+        "--health-check-interval",
+        str(spec.health_check_interval_seconds),
+        "--lmcache-worker-timeout",
+        str(spec.worker_timeout_seconds),
+        "--advertise-host",
+        names.service_host(name, ns),
+        "--chunk-size",
+        str(pool.spec.chunk_size),
+        "--hash-algorithm",
+        pool.spec.hash_algorithm,
+        "--persistence",
+        spec.persistence.mode,
+    ]
+    if spec.persistence.redis_url:
+        command += ["--redis-url", spec.persistence.redis_url]
+    port_map = {
+        "http": ports.http,
+        "pull": ports.pull,
+        "reply": ports.reply,
+        "heartbeat": ports.heartbeat,
+    }
+    pod: Obj = {
+        "containers": [
+            k8s.container(
+                "controller",
+                pool.spec.images.controller,
+                command,
+                k8s.domain_env(pool),
+                port_map,
+                k8s.resources(spec.resources),
+                k8s.http_probe(ports.http, "/health"),
+            )
+        ],
+        **k8s.placement(pool.spec.placement),
+    }
+    return [
+        k8s.deployment(name, ns, labels, spec.replicas, pod, k8s.pod_annotations(pool)),
+        k8s.service(name, ns, labels, port_map),
+    ]
+
+
+def _gateway_config(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> dict[str, Any]:
+    ns = pool.metadata.namespace
+    spec = pool.spec
+    p2p: list[dict[str, Any]] = []
+    pd: list[dict[str, Any]] = []
+    for member in sorted(members, key=lambda m: (m.kind, m.metadata.name)):
+        if isinstance(member, P2PGroup):
+            p2p.append(
+                {
+                    "name": member.metadata.name,
+                    "instances": [
+                        {
+                            "name": inst.name,
+                            "url": f"http://{names.instance_pod_host(inst.name, ns)}:{inst.http}",
+                        }
+                        for inst in p2p_ports(member)
+                    ],
+                }
+            )
+        else:
+            insts = pd_ports(member, sender_pull=pd_sender_pull(member))
+            pd.append(
+                {
+                    "name": member.metadata.name,
+                    "mode": member.spec.transfer.mode,
+                    "proxyPort": member.spec.proxy.port,
+                    "prefill": [
+                        {
+                            "name": i.name,
+                            "url": f"http://{names.instance_pod_host(i.name, ns)}:{i.http}",
+                        }
+                        for i in insts
+                        if i.role == "prefill"
+                    ],
+                    "decode": [
+                        {
+                            "name": i.name,
+                            "url": f"http://{names.instance_pod_host(i.name, ns)}:{i.http}",
+                            "host": names.instance_pod_host(i.name, ns),
+                            "initPorts": i.lists["pd_peer_init_port"],
+                            "allocPorts": i.lists["pd_peer_alloc_port"],
+                        }
+                        for i in insts
+                        if i.role == "decode"
+                    ],
+                }
+            )
+    return {
+        "model": spec.model.name,
+        "chunkSize": spec.chunk_size,
+        "hashAlgorithm": spec.hash_algorithm,
+        "controllerUrl": f"http://{names.service_host(names.controller_name(pool), ns)}:"
+        f"{spec.controller.ports.http}",
+        "routing": spec.gateway.routing.model_dump(by_alias=True),
+        "p2pGroups": p2p,
+        "pdPairs": pd,
+    }
+
+
+def gateway_objects(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list[Obj]:
+    """Gateway Deployment, Service, routing ConfigMap and PDB."""
+    spec = pool.spec.gateway
+    ns = pool.metadata.namespace
+    name = names.gateway_name(pool)
+    labels = names.pool_labels(pool, "gateway")
+    config = yaml.safe_dump(_gateway_config(pool, members), sort_keys=True)
+    port_map = {"http": spec.port}
+    for member in sorted(members, key=lambda m: m.metadata.name):
+        if isinstance(member, PDPair):
+            port_map[f"pd-{member.spec.proxy.port}"] = member.spec.proxy.port
+    env_vars = k8s.domain_env(pool)
+    if spec.auth_secret_ref is not None:
+        env_vars.append(
+            {
+                "name": "KVPOOL_GATEWAY_AUTH_TOKEN",
+                "valueFrom": {
+                    "secretKeyRef": {
+                        "name": spec.auth_secret_ref.name,
+                        "key": spec.auth_secret_ref.key,
+                    }
+                },
+            }
+        )
+    command = [
+        "kvpool-gateway",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(spec.port),
+        "--config",
+        "/etc/kvpool/gateway/gateway.yaml",
+    ]
+    annotations = k8s.pod_annotations(pool)
+    pod: Obj = {
+        "containers": [
+            {
+                **k8s.container(
+                    "gateway",
+                    pool.spec.images.gateway,
+                    command,
+                    env_vars,
+                    port_map,
+                    k8s.resources(spec.resources),
+                    k8s.http_probe(spec.port, "/health"),
+                ),
+                "volumeMounts": [{"name": "config", "mountPath": "/etc/kvpool/gateway"}],
+            }
+        ],
+        "volumes": [{"name": "config", "configMap": {"name": name}}],
+        **k8s.placement(pool.spec.placement),
+    }
+    return [
+        k8s.configmap(name, ns, labels, {"gateway.yaml": config}),
+        k8s.deployment(name, ns, labels, spec.replicas, pod, annotations),
+        k8s.service(name, ns, labels, port_map),
+        k8s.pdb(name, ns, labels, 1),
+    ]
+
+
+def mooncake_objects(pool: KVCachePool) -> list[Obj]:
+    """Mooncake master, HTTP metadata server and the store process holding the segment."""
+    remote = pool.spec.tiers.remote
+    if remote is None or remote.mooncake is None:
+        return []
+    mc = remote.mooncake
+    ns = pool.metadata.namespace
+    image = pool.spec.images.mooncake
+    master = names.mooncake_name(pool, "master")
+    metadata = names.mooncake_name(pool, "metadata")
+    store = names.mooncake_name(pool, "store")
+    annotations = k8s.pod_annotations(pool)
+    placement = k8s.placement(pool.spec.placement)
+    out: list[Obj] = []
+    parts = [
+        (
+            master,
+            [
+                "mooncake_master",
+                f"--port={mc.master_port}",
+                f"--eviction_high_watermark_ratio={mc.eviction_high_watermark_ratio}",
+                f"--eviction_ratio={mc.eviction_ratio}",
+            ],
+            [],
+            {"rpc": mc.master_port},
+        ),
+        (
+            metadata,
+            ["mooncake_http_metadata_server", "--host", "0.0.0.0", "--port", str(mc.metadata_port)],
+            [],
+            {"http": mc.metadata_port},
+        ),
+        (
+            store,
+            ["python3", "-m", "mooncake.mooncake_store_service"],
+            [
+                k8s.field_env("POD_IP", "status.podIP"),
+                k8s.env("MOONCAKE_LOCAL_HOSTNAME", "$(POD_IP)"),
+                k8s.env("MOONCAKE_MASTER", f"{names.service_host(master, ns)}:{mc.master_port}"),
+                k8s.env(
+                    "MOONCAKE_TE_META_DATA_SERVER",
+                    f"http://{names.service_host(metadata, ns)}:{mc.metadata_port}/metadata",
+                ),
+                k8s.env("MOONCAKE_GLOBAL_SEGMENT_SIZE", str(mc.segment_size)),
+                k8s.env("MOONCAKE_LOCAL_BUFFER_SIZE", "0"),
+                k8s.env("MOONCAKE_PROTOCOL", mc.protocol),
+                k8s.env("MOONCAKE_DEVICE", mc.device_name),
+            ],
+            {},
+        ),
+    ]
+    for name, command, extra_env, ports in parts:
+        labels = names.pool_labels(pool, name.removeprefix(f"{pool.metadata.name}-"))
+        res = {"requests": {"memory": str(mc.segment_size)}} if name == store else {}
+        pod: Obj = {
+            "containers": [
+                k8s.container(
+                    "mooncake", image, command, k8s.domain_env(pool) + extra_env, ports, res, None
+                )
+            ],
+            **placement,
+        }
+        out.append(k8s.deployment(name, ns, labels, 1, pod, annotations))
+        if ports:
+            out.append(k8s.service(name, ns, labels, ports))
+    return out
+
+
+def pool_objects(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list[Obj]:
+    """Every object the pool itself owns."""
+    return [
+        domain_configmap(pool),
+        *controller_objects(pool),
+        *gateway_objects(pool, members),
+        *mooncake_objects(pool),
+    ]
