@@ -1,0 +1,73 @@
+"""One daemon compute thread that the engine's asyncio loop hands blocking work to.
+
+Why this module exists: model steps and LMCache calls block for milliseconds to seconds and
+must run off the event loop, one at a time (the paged caches are not locked). The obvious
+``asyncio.to_thread`` uses the loop's default executor, whose worker threads are joined at
+loop shutdown and interpreter exit; LMCache 0.5.6's close can hang (a Redis tier), which
+would turn a bounded SIGTERM drain into a hang. A daemon thread with a job queue gives the
+same one-at-a-time semantics, keeps submission order, and never blocks process exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_Job = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+
+
+def _resolve(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if fut.cancelled():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class ComputeThread:
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the compute thread after every earlier job; cancelling the await
+        drops the result (the job itself cannot be interrupted)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((fn, loop, fut))
+        return await fut
+
+    def stop(self) -> None:
+        """Let the thread exit after the jobs already queued."""
+        self._jobs.put(None)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, loop, fut = job
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the awaiting coroutine
+                error = exc
+            try:
+                loop.call_soon_threadsafe(_resolve, fut, result, error)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                logger.debug("compute job finished after its event loop closed")
