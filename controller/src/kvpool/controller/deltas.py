@@ -1,0 +1,194 @@
+"""The index change stream: what the controller publishes and how a replica follows it.
+
+Why: the gateway routes every request by KV affinity; asking the controller over the network
+for each decision adds a round trip. Instead the controller publishes every index change on a
+ZMQ PUB socket as numbered deltas, and a gateway keeps a local replica. A replica that sees a
+gap in the numbers (a slow subscriber drops messages; PUB never blocks the controller) or a new
+controller epoch (a restart) asks the snapshot socket for the whole index and replays the deltas
+it buffered meanwhile. The same deltas feed the Redis write-behind.
+
+Everything here is pure: :class:`IndexReplica` never touches a socket.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import msgspec
+
+from kvpool.controller.index import ChunkIndex, InstanceHit
+
+TOPIC = b"kvpool.delta"
+SNAPSHOT_REQUEST = b"snapshot"
+
+
+class DeltaOp(enum.Enum):
+    ADMIT = "admit"  # keys added at (instance, worker, location)
+    EVICT = "evict"  # keys removed
+    REPLACE = "replace"  # the worker's location now holds exactly ``keys`` (full sync)
+    CLEAR = "clear"  # drop every key of the worker at ``location`` ("" = every location)
+    WORKER_UP = "worker_up"  # a worker registered; ``url``/``peer_init_url`` say where it is
+    WORKER_DOWN = "worker_down"  # deregistered or purged: its keys are gone too
+
+
+class Delta(msgspec.Struct, frozen=True, array_like=True):
+    seq: int
+    op: DeltaOp
+    instance_id: str
+    worker_id: int
+    location: str = ""
+    keys: list[int] = msgspec.field(default_factory=list)
+    url: str | None = None
+    peer_init_url: str | None = None
+
+
+class DeltaBatch(msgspec.Struct, frozen=True, array_like=True):
+    """One PUB message: consecutive deltas of one controller run (``epoch``)."""
+
+    epoch: str
+    deltas: list[Delta]
+
+
+class WorkerEntry(msgspec.Struct, frozen=True, array_like=True):
+    instance_id: str
+    worker_id: int
+    url: str
+    peer_init_url: str | None
+
+
+class LocationEntry(msgspec.Struct, frozen=True, array_like=True):
+    instance_id: str
+    worker_id: int
+    location: str
+    keys: list[int]
+
+
+class Snapshot(msgspec.Struct, frozen=True, array_like=True):
+    """The whole index as of delta ``seq`` of run ``epoch``."""
+
+    epoch: str
+    seq: int
+    workers: list[WorkerEntry]
+    entries: list[LocationEntry]
+
+
+def apply_delta(index: ChunkIndex, delta: Delta) -> None:
+    """Apply one delta to an index (used by the replica and by tests of the controller)."""
+    match delta.op:
+        case DeltaOp.ADMIT:
+            index.admit(delta.instance_id, delta.worker_id, delta.location, delta.keys)
+        case DeltaOp.EVICT:
+            index.evict(delta.instance_id, delta.worker_id, delta.location, delta.keys)
+        case DeltaOp.REPLACE:
+            index.replace(delta.instance_id, delta.worker_id, delta.location, delta.keys)
+        case DeltaOp.CLEAR:
+            index.clear(delta.instance_id, delta.worker_id, delta.location or None)
+        case DeltaOp.WORKER_DOWN:
+            index.remove_worker(delta.instance_id, delta.worker_id)
+        case DeltaOp.WORKER_UP:
+            pass
+
+
+class IndexReplica:
+    """A local copy of the controller's index kept current from the delta stream.
+
+    Feed it every :class:`DeltaBatch` with :meth:`apply_batch`; when :attr:`needs_snapshot` is
+    true, fetch a :class:`Snapshot` and give it to :meth:`load_snapshot`. Until the first
+    snapshot it answers nothing (it cannot know what it missed).
+    """
+
+    def __init__(self, max_buffered: int = 100_000) -> None:
+        self.index = ChunkIndex()
+        self.workers: dict[tuple[str, int], WorkerEntry] = {}
+        self.epoch: str | None = None
+        self.seq = -1
+        self.needs_snapshot = True
+        self.gaps = 0
+        self._buffer: list[Delta] = []
+        self._buffer_epoch: str | None = None
+        self._max_buffered = max_buffered
+
+    def apply_batch(self, batch: DeltaBatch) -> bool:
+        """Apply a batch; returns False when a snapshot is needed before it can catch up."""
+        if self.needs_snapshot or batch.epoch != self.epoch:
+            if not self.needs_snapshot:
+                self.gaps += 1  # the controller restarted: a new epoch starts at seq 0
+                self.needs_snapshot = True
+            self._buffer_deltas(batch.epoch, batch.deltas)
+            return False
+        for position, delta in enumerate(batch.deltas):
+            if delta.seq <= self.seq:
+                continue  # already contained in the snapshot, or a duplicate
+            if delta.seq != self.seq + 1:
+                self.gaps += 1
+                self.needs_snapshot = True
+                self._buffer_deltas(batch.epoch, batch.deltas[position:])
+                return False
+            self._apply(delta)
+        return True
+
+    def _buffer_deltas(self, epoch: str, deltas: Sequence[Delta]) -> None:
+        if epoch != self._buffer_epoch:
+            self._buffer = []
+            self._buffer_epoch = epoch
+        self._buffer.extend(deltas)
+        if len(self._buffer) > self._max_buffered:
+            # Too far behind to replay all: keep the newest; a later snapshot covers the rest.
+            self._buffer = self._buffer[-self._max_buffered :]
+
+    def load_snapshot(self, snapshot: Snapshot) -> bool:
+        """Replace the replica's state; returns True when it is then in sync."""
+        index = ChunkIndex()
+        for entry in snapshot.entries:
+            index.replace(entry.instance_id, entry.worker_id, entry.location, entry.keys)
+        self.index = index
+        self.workers = {(w.instance_id, w.worker_id): w for w in snapshot.workers}
+        self.epoch = snapshot.epoch
+        self.seq = snapshot.seq
+        self.needs_snapshot = False
+        buffered = self._buffer if self._buffer_epoch == snapshot.epoch else []
+        self._buffer = []
+        for delta in sorted(buffered, key=lambda d: d.seq):
+            if delta.seq <= self.seq:
+                continue
+            if delta.seq != self.seq + 1:
+                self.needs_snapshot = True
+                self.gaps += 1
+                return False
+            self._apply(delta)
+        return True
+
+    def _apply(self, delta: Delta) -> None:
+        apply_delta(self.index, delta)
+        key = (delta.instance_id, delta.worker_id)
+        if delta.op is DeltaOp.WORKER_UP:
+            self.workers[key] = WorkerEntry(
+                delta.instance_id, delta.worker_id, delta.url or "", delta.peer_init_url
+            )
+        elif delta.op is DeltaOp.WORKER_DOWN:
+            self.workers.pop(key, None)
+        self.seq = delta.seq
+
+    def prefix_hits(self, hashes: Sequence[int]) -> dict[str, InstanceHit]:
+        """Longest cached prefix per instance, as the controller would answer it."""
+        if self.needs_snapshot and self.epoch is None:
+            return {}
+        return self.index.prefix_hits(hashes)
+
+
+_BATCH_DECODER = msgspec.msgpack.Decoder(DeltaBatch)
+_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(Snapshot)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(obj: DeltaBatch | Snapshot) -> bytes:
+    return _ENCODER.encode(obj)
+
+
+def decode_batch(frame: bytes) -> DeltaBatch:
+    return _BATCH_DECODER.decode(frame)
+
+
+def decode_snapshot(frame: bytes) -> Snapshot:
+    return _SNAPSHOT_DECODER.decode(frame)

@@ -1,0 +1,102 @@
+"""The controller's configuration: one pydantic-settings class, built once in ``main()``.
+
+Why: the same knobs arrive from the command line (LMCache's controller flags, so an existing
+deployment's arguments still work), from the environment (``KVPOOL_CONTROLLER_*``, and the
+operator-injected ``KVPOOL_DOMAIN_FINGERPRINT``), and from tests constructing it directly.
+Validation names the field and the fix instead of failing later on a socket.
+"""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_PORT_ROLES = ("pull", "reply", "heartbeat")
+
+
+class ControllerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVPOOL_CONTROLLER_", extra="forbid")
+
+    host: str = Field("0.0.0.0", description="Address the ZMQ and HTTP sockets bind")
+    port: int = Field(9000, ge=0, le=65535, description="HTTP API port")
+    monitor_ports: dict[str, int] = Field(
+        default_factory=lambda: {"pull": 8300, "reply": 8400},
+        description='ZMQ ports, LMCache style: {"pull": P, "reply": R, "heartbeat": H}',
+    )
+    advertise_host: str | None = Field(
+        None, description="Host workers should connect to (heartbeat URL); default: detected"
+    )
+    lmcache_worker_timeout: float = Field(
+        300.0, gt=0, description="Seconds without a heartbeat before a worker is purged"
+    )
+    health_check_interval: float = Field(
+        -1.0, description="Seconds between TTL sweeps; -1 disables purging (LMCache's default)"
+    )
+    control_timeout_s: float = Field(
+        10.0, gt=0, description="Timeout of one control request to a worker"
+    )
+    fingerprint: str | None = Field(
+        None,
+        validation_alias=AliasChoices(
+            "fingerprint", "KVPOOL_DOMAIN_FINGERPRINT", "KVPOOL_CONTROLLER_FINGERPRINT"
+        ),
+        description="Expected cache-domain fingerprint (12 hex) in '<name>~<fp>' instance ids",
+    )
+    require_fingerprint: bool = Field(
+        False, description="Refuse instance ids that carry no '~<fingerprint>' suffix"
+    )
+    pub_port: int | None = Field(None, ge=0, le=65535, description="ZMQ PUB port of deltas")
+    snapshot_port: int | None = Field(
+        None, ge=0, le=65535, description="ZMQ ROUTER port answering index snapshots"
+    )
+    redis_url: str | None = Field(None, description="redis://host:port/db for write-behind")
+    redis_namespace: str = Field("kvpool", description="Prefix of every Redis key")
+    redis_queue_max_keys: int = Field(
+        1_000_000, gt=0, description="Write-behind queue bound (keys); beyond it, full rewrite"
+    )
+    redis_batch_keys: int = Field(50_000, gt=0, description="Keys per Redis pipeline")
+    full_sync_completion_threshold: float = Field(0.8, ge=0, le=1)
+    full_sync_timeout_s: float = Field(300.0, gt=0)
+    chunk_size: int = Field(256, gt=0, description="Tokens per chunk for token lookups")
+    drain_batch: int = Field(512, gt=0, description="Frames handled per loop turn per socket")
+    log_level: str = Field("INFO")
+
+    @field_validator("monitor_ports")
+    @classmethod
+    def _check_ports(cls, value: dict[str, int]) -> dict[str, int]:
+        unknown = sorted(set(value) - set(_PORT_ROLES))
+        if unknown:
+            raise ValueError(
+                f"monitor_ports has unknown role(s) {unknown}; use only {list(_PORT_ROLES)}"
+            )
+        if "pull" not in value:
+            raise ValueError('monitor_ports needs a "pull" port, e.g. {"pull": 8300}')
+        for role, port in value.items():
+            if not 0 <= int(port) <= 65535:
+                raise ValueError(f"monitor_ports[{role!r}]={port} is not a TCP port")
+        return value
+
+    @field_validator("fingerprint")
+    @classmethod
+    def _check_fingerprint(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if len(value) != 12 or any(c not in "0123456789abcdef" for c in value):
+            raise ValueError(
+                f"fingerprint {value!r} must be 12 lowercase hex characters (the first 12 of "
+                "the domain's sha256), as the operator renders it"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check_require(self) -> ControllerSettings:
+        if self.require_fingerprint and self.fingerprint is None:
+            raise ValueError(
+                "require_fingerprint is set but no fingerprint is configured; pass --fingerprint "
+                "or set KVPOOL_DOMAIN_FINGERPRINT"
+            )
+        return self
+
+    @property
+    def purge_enabled(self) -> bool:
+        return self.health_check_interval > 0
