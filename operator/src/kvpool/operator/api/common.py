@@ -19,7 +19,7 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 _QUANTITY_SCHEMA: dict[str, Any] = {
-    "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"}],
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
     "x-kubernetes-int-or-string": True,
     "pattern": r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$",
 }

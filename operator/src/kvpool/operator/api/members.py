@@ -87,13 +87,18 @@ class P2PTransfer(ApiModel):
     )
     pull_mode: bool = Field(default=False, description="p2p_pull_mode (ascend). Default false.")
     delay_pull: bool = Field(default=False, description="p2p_delay_pull (ascend). Default false.")
-    use_npu: bool = Field(default=False, description="p2p_use_npu (ascend). Default false.")
+    use_npu: bool = Field(
+        default=False, alias="useNPU", description="p2p_use_npu (ascend). Default false."
+    )
     host_staging: HostStaging = Field(default_factory=HostStaging)
     npu_buffer_size: Quantity = Field(
         default=134217728, description="p2p_npu_buffer_size (ascend). Default 128Mi."
     )
     pull_pending_ttl_seconds: float = Field(
-        default=60.0, gt=0, description="extra_config.p2p_pull_pending_ttl. Default 60."
+        default=60.0,
+        gt=0,
+        alias="pullPendingTTLSeconds",
+        description="extra_config.p2p_pull_pending_ttl. Default 60.",
     )
     lookup_backoff_seconds: float = Field(
         default=0.001, gt=0, description="extra_config.lookup_backoff_time. Default 0.001."
@@ -189,7 +194,10 @@ class PDTransfer(ApiModel):
         description="pd_cpu_buffer_size for cpu-offload-pull-delay. Default 20Gi.",
     )
     pull_pending_ttl_seconds: float = Field(
-        default=360.0, gt=0, description="pd_pull_pending_ttl (ascend pull modes). Default 360."
+        default=360.0,
+        gt=0,
+        alias="pullPendingTTLSeconds",
+        description="pd_pull_pending_ttl (ascend pull modes). Default 360.",
     )
 
 

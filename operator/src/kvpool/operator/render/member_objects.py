@@ -9,7 +9,6 @@ time via LMCACHE_P2P_HOST / LMCACHE_PD_PEER_HOST.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import yaml
@@ -22,9 +21,6 @@ from kvpool.operator.render.lmcache_config import p2p_config, pd_config, pd_send
 from kvpool.operator.render.ports import InstancePorts, p2p_ports, pd_ports
 
 Obj = k8s.Obj
-
-_CONNECTOR = {"ascend": "LMCacheAscendConnector", "cuda": "LMCacheConnectorV1"}
-_KV_ROLE = {"p2p": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 def worker_env(pool: KVCachePool, engine: EngineSpec, inst: InstancePorts) -> list[Obj]:
@@ -45,29 +41,22 @@ def worker_env(pool: KVCachePool, engine: EngineSpec, inst: InstancePorts) -> li
     return out
 
 
-def kv_transfer_config(engine: EngineSpec, inst: InstancePorts) -> dict[str, Any]:
-    """vLLM --kv-transfer-config: connector, role and the instance's distinct rpc identifier."""
-    extra: dict[str, Any] = {"lmcache_rpc_port": inst.name}
-    if inst.role in ("prefill", "decode"):
-        extra["discard_partial_chunks"] = False
-    if inst.role == "decode":
-        extra["skip_last_n_tokens"] = 1
-    return {
-        "kv_connector": _CONNECTOR.get(engine.platform, "kvpool-reference"),
-        "kv_role": _KV_ROLE[inst.role],
-        "kv_connector_extra_config": extra,
-    }
-
-
 def worker_command(
     pool: KVCachePool, engine: EngineSpec, tp: int, inst: InstancePorts
 ) -> list[str]:
-    """``kvpool-worker serve``: vLLM on ascend/cuda, the reference engine on cpu."""
-    return [
+    """``kvpool-worker serve``: vLLM on ascend/cuda, the reference engine on cpu.
+
+    The worker derives vLLM's --kv-transfer-config (connector, kv_role from pd_role,
+    discard_partial_chunks, skip_last_n_tokens) from the mounted LMCache config; the operator
+    passes the domain facts and the instance's distinct lmcache_rpc_port identifier (rule 3).
+    """
+    command = [
         "kvpool-worker",
         "serve",
         "--engine",
         "reference" if engine.platform == "cpu" else "vllm",
+        "--platform",
+        engine.platform,
         "--model",
         pool.spec.model.name,
         "--host",
@@ -78,12 +67,16 @@ def worker_command(
         str(tp),
         "--block-size",
         str(pool.spec.block_size),
+        "--kv-dtype",
+        pool.spec.model.kv_dtype,
         "--max-model-len",
         str(engine.max_model_len),
-        "--kv-transfer-config",
-        json.dumps(kv_transfer_config(engine, inst), sort_keys=True, separators=(",", ":")),
-        *engine.args,
+        "--lmcache-rpc-port",
+        inst.name,
     ]
+    if engine.args:
+        command += ["--", *engine.args]
+    return command
 
 
 def _port_names(inst: InstancePorts) -> dict[str, int]:

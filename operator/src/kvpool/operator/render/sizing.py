@@ -55,13 +55,13 @@ def member_memory_budget(pool: KVCachePool, member: P2PGroup | PDPair) -> Memory
     cpu = pool.spec.tiers.cpu.size
     if isinstance(member, P2PGroup):
         spec = member.spec
-        parts = [("CPU cache", cpu)]
+        p2p_parts = [("CPU cache", cpu)]
         if spec.transfer.host_staging.enabled:
-            parts.insert(0, ("staging", spec.transfer.host_staging.bytes))
-        return _budget(pool, spec.tensor_parallel_size, spec.replicas, parts)
+            p2p_parts.insert(0, ("staging", spec.transfer.host_staging.bytes))
+        return _budget(pool, spec.tensor_parallel_size, spec.replicas, p2p_parts)
     pd = member.spec
     tp = max(pd.prefill.tensor_parallel_size, pd.decode.tensor_parallel_size)
-    parts = [("CPU cache", cpu)]
+    parts: list[tuple[str, int]] = []  # PD instances run without the local CPU tier
     if pd.transfer.mode == "cpu-offload-pull-delay":
         parts.append(("PD CPU buffer", pd.transfer.cpu_buffer_size))
     if (pd.transfer.buffer_device or _default_pd_device(pd)) == "cpu":

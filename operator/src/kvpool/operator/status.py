@@ -1,0 +1,184 @@
+"""Pure status: conditions and observed fields from validation results and observed readiness.
+
+Why: status is what a person reads first (`kubectl get p2pg`): Ready, why not, and whether the
+domain contract holds. Computing it purely (time passed in, previous status passed in) makes it
+testable and keeps lastTransitionTime stable while nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvpool.operator.api.common import Condition, InstanceStatus
+from kvpool.operator.api.members import MemberStatus, P2PGroup, PDPair
+from kvpool.operator.api.pool import KVCachePool, KVCachePoolStatus
+from kvpool.operator.render import names
+from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
+from kvpool.operator.render.member_objects import member_instances
+from kvpool.operator.render.sizing import member_memory_budget
+from kvpool.operator.validation.problems import Problem, errors
+
+_SEED_RULES = {1}
+_PORT_RULES = {2, 3}
+
+
+def _condition(
+    ctype: str,
+    ok: bool,
+    reason_ok: str,
+    reason_bad: str,
+    message: str,
+    previous: Iterable[Condition],
+    now: str,
+    generation: int | None,
+) -> Condition:
+    status = "True" if ok else "False"
+    last = now
+    for prev in previous:
+        if prev.type == ctype and prev.status == status:
+            last = prev.last_transition_time
+    return Condition.model_validate(
+        {
+            "type": ctype,
+            "status": status,
+            "reason": reason_ok if ok else reason_bad,
+            "message": message,
+            "lastTransitionTime": last,
+            "observedGeneration": generation,
+        }
+    )
+
+
+def _summary(problems: list[Problem]) -> str:
+    return "; ".join(f"{p.path}: {p.message} (fix: {p.fix})" for p in problems)[:4000]
+
+
+def conditions(
+    problems: list[Problem],
+    ready: int,
+    desired: int,
+    previous: list[Condition],
+    now: str,
+    generation: int | None,
+) -> list[Condition]:
+    """The six conditions from the problems of this resource and its observed readiness."""
+    errs = errors(problems)
+    seed = [p for p in errs if p.rule in _SEED_RULES]
+    ports = [p for p in errs if p.rule in _PORT_RULES]
+    valid = not errs
+    all_ready = valid and desired > 0 and ready >= desired
+    progressing = valid and ready < desired
+    degraded = not valid or (0 < ready < desired)
+
+    def cond(ctype: str, ok: bool, good: str, bad: str, message: str) -> Condition:
+        return _condition(ctype, ok, good, bad, message, previous, now, generation)
+
+    return [
+        cond(
+            "Ready",
+            all_ready,
+            "AllInstancesReady",
+            "InvalidSpec" if not valid else "InstancesNotReady",
+            f"{ready}/{desired} instances ready" if valid else _summary(errs),
+        ),
+        cond(
+            "Progressing",
+            progressing,
+            "RollingOut",
+            "Stable" if valid else "Blocked",
+            f"waiting for {desired - ready} instance(s)" if progressing else "",
+        ),
+        cond(
+            "Degraded",
+            degraded,
+            "InstancesUnavailable" if valid else "InvalidSpec",
+            "AsExpected",
+            _summary(errs) if not valid else (f"{ready}/{desired} ready" if degraded else ""),
+        ),
+        cond("ConfigValid", valid, "Valid", "InvalidSpec", _summary(errs)),
+        cond("HashSeedConsistent", not seed, "OneSeedPerDomain", "DomainMismatch", _summary(seed)),
+        cond("PortsConsistent", not ports, "Allocated", "PortConflict", _summary(ports)),
+    ]
+
+
+def member_status(
+    pool: KVCachePool,
+    member: P2PGroup | PDPair,
+    problems: list[Problem],
+    ready_instances: set[str],
+    now: str,
+    previous: MemberStatus | None = None,
+) -> MemberStatus:
+    """Status of a P2PGroup / PDPair; ``problems`` are the domain's, filtered to this member."""
+    own = [p for p in problems if p.path.startswith(f"{member.kind}/{member.metadata.name}:")]
+    fp = pool_fingerprint(pool)
+    ns = pool.metadata.namespace
+    instances = [
+        InstanceStatus(
+            name=inst.name,
+            role=inst.role,
+            lmcache_instance_id=names.instance_id(inst.name, fp),
+            ready=inst.name in ready_instances,
+            http_port=inst.http,
+            ports=inst.lists,
+        )
+        for inst in member_instances(member)
+    ]
+    ready = sum(1 for i in instances if i.ready)
+    return MemberStatus(
+        observed_generation=member.metadata.generation,
+        conditions=conditions(
+            own,
+            ready,
+            len(instances),
+            previous.conditions if previous else [],
+            now,
+            member.metadata.generation,
+        ),
+        domain_fingerprint=fp,
+        instances_ready=ready,
+        instances_desired=len(instances),
+        instances=instances,
+        endpoints=[
+            f"http://{names.instance_pod_host(i.name, ns)}:{i.http_port}" for i in instances
+        ],
+        memory_budget=member_memory_budget(pool, member),
+    )
+
+
+def pool_status(
+    pool: KVCachePool,
+    members: list[P2PGroup | PDPair],
+    problems: list[Problem],
+    ready_instances: set[str],
+    now: str,
+    previous: KVCachePoolStatus | None = None,
+) -> KVCachePoolStatus:
+    """Status of a KVCachePool: the whole domain's conditions, seed, endpoints and budgets."""
+    ns = pool.metadata.namespace
+    all_insts = [i.name for m in members for i in member_instances(m)]
+    ready = sum(1 for name in all_insts if name in ready_instances)
+    ordered = sorted(members, key=lambda m: (m.kind, m.metadata.name))
+    return KVCachePoolStatus(
+        observed_generation=pool.metadata.generation,
+        conditions=conditions(
+            problems,
+            ready,
+            len(all_insts),
+            previous.conditions if previous else [],
+            now,
+            pool.metadata.generation,
+        ),
+        resolved_hash_seed=resolve_hash_seed(pool),
+        domain_fingerprint=pool_fingerprint(pool),
+        controller_endpoint=f"http://{names.service_host(names.controller_name(pool), ns)}:"
+        f"{pool.spec.controller.ports.http}",
+        gateway_endpoint=f"http://{names.service_host(names.gateway_name(pool), ns)}:"
+        f"{pool.spec.gateway.port}",
+        members=[f"{m.kind}/{m.metadata.name}" for m in ordered],
+        instances_ready=ready,
+        instances_desired=len(all_insts),
+        memory_budget={
+            f"{m.kind}/{m.metadata.name}": member_memory_budget(pool, m) for m in ordered
+        },
+    )
