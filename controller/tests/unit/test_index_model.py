@@ -13,6 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvpool.controller import index as index_module
 from kvpool.controller.index import ChunkIndex, InstanceHit, tier_rank
 
 INSTANCES = ["i0", "i1", "i2", "i3"]
@@ -167,3 +168,18 @@ class IndexMatchesReference(RuleBasedStateMachine):
 
 
 TestIndexMatchesReference = IndexMatchesReference.TestCase
+
+
+class CompactingIndexMatchesReference(IndexMatchesReference):
+    """The same, with key logs compacted at every chance (no slack), so compaction is exercised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved_slack = index_module._LOG_SLACK
+        index_module._LOG_SLACK = 0
+
+    def teardown(self) -> None:
+        index_module._LOG_SLACK = self.saved_slack
+
+
+TestCompactingIndexMatchesReference = CompactingIndexMatchesReference.TestCase

@@ -3,19 +3,23 @@
 Why it exists: the gateway routes by the longest cached prefix and P2P asks for a peer that
 holds a prompt's KV on the *same* TP rank; both questions are answered here, on every request,
 so they must be cheap. LMCache's own controller (``RegistryTree``) keeps one ``set`` per
-(instance, worker, location) and finds a chunk by scanning every set of every worker; its
+(instance, worker, location) and finds a chunk by probing every set of every worker; its
 lookup cost grows with the number of workers and it cannot say *how much* each instance holds.
 
 Layout (no I/O, no threads, no logging):
 
-- every (instance, worker, location) that holds at least one chunk is interned to a small
-  integer *slot*; the slot's keys live in one ``set`` (``worker_keys``, purge and full sync
-  are proportional to that worker's keys, never a scan of the whole index);
-- ``chunk hash -> slot bitmask`` (a Python ``int``); identical masks are shared objects, so a
-  chunk costs one dict entry whatever the number of holders;
-- a bitmask of *instances* is derived per distinct slot mask and memoised, so the
-  longest-prefix scan does one dict probe and one ``&`` per chunk, and only re-derives
-  per-instance work where the holder set changes (runs of equal masks are counted at once).
+- every (instance, worker, location) holding at least one chunk is interned to a small integer
+  *slot*;
+- ``chunk hash -> slot bitmask`` (a Python ``int``) is the single source of truth; equal masks
+  are shared objects, so a chunk costs one dict entry whatever the number of holders;
+- each slot keeps an append-only log of the keys it admitted (8 bytes a key in an
+  ``array('q')``; keys outside int64 in a list). Evictions leave stale entries that the mask
+  filters out; the log is compacted when it is more than half stale. Purge, ``worker_keys`` and
+  full sync walk one slot's log, never the whole index;
+- a bitmask of *instances* is derived per distinct slot mask and memoised. The longest-prefix
+  scan fetches masks a block at a time in C and only does per-instance work where the holder
+  set changes; it stops once no instance can extend its prefix (at most ``SCAN_BLOCK`` hashes
+  are read past that point).
 
 A *chunk-location* is one (chunk hash, instance, worker, location) fact; ``len(index)`` counts
 them. Keys are LMCache chunk hashes: Python ``int`` of any sign and size (64-bit in practice).
@@ -27,10 +31,12 @@ location names rank after the known ones, by name.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain, islice, repeat
 
-__all__ = ["TIER_ORDER", "ChunkIndex", "InstanceHit", "tier_rank"]
+__all__ = ["SCAN_BLOCK", "TIER_ORDER", "ChunkIndex", "InstanceHit", "tier_rank"]
 
 #: LMCache storage backends (``str(backend)`` is the location a worker reports), fastest
 #: first: host memory, then local storage, then remote stores. Unknown names come after.
@@ -46,8 +52,12 @@ TIER_ORDER: tuple[str, ...] = (
 )
 _TIER_RANK = {name: rank for rank, name in enumerate(TIER_ORDER)}
 
+#: Hashes fetched per step of a prefix scan (the most it reads past where it stops).
+SCAN_BLOCK = 64
 #: Memo tables are dropped and rebuilt when they grow past this many entries.
 _MEMO_LIMIT = 1 << 16
+#: A slot log is compacted when it holds more than twice its live keys plus this slack.
+_LOG_SLACK = 256
 
 
 def tier_rank(location: str) -> tuple[int, str]:
@@ -73,11 +83,11 @@ class InstanceHit:
 
 @dataclass(frozen=True)
 class _Decoded:
-    """What a slot mask means: its instances and its (instance, location) groups."""
+    """What a slot mask means: its instances, (instance, location) pairs and workers."""
 
     inst_mask: int
-    slots: tuple[int, ...]
-    groups: tuple[tuple[int, str], ...]  # distinct (instance index, location)
+    groups: tuple[tuple[int, str], ...]
+    workers: dict[int, tuple[int, ...]]  # instance index -> its worker ids, ascending
 
 
 @dataclass(frozen=True)
@@ -89,23 +99,49 @@ class _Run:
     alive: int  # instances that hold every chunk up to and including this run
 
 
+class _Slot:
+    """One (instance, worker, location): its bit, live key count and key log."""
+
+    __slots__ = ("big", "bit", "count", "ident", "inst", "log")
+
+    def __init__(self, ident: tuple[str, int, str], inst: int, bit: int) -> None:
+        self.ident = ident
+        self.inst = inst
+        self.bit = bit
+        self.count = 0
+        self.log = array("q")
+        self.big: list[int] = []  # keys that do not fit in int64
+
+    def append(self, keys: list[int]) -> None:
+        size = len(self.log)
+        try:
+            self.log.extend(keys)
+        except OverflowError:
+            del self.log[size:]
+            for key in keys:
+                try:
+                    self.log.append(key)
+                except OverflowError:
+                    self.big.append(key)
+
+    def logged(self) -> Iterable[int]:
+        """Every key ever logged (stale and repeated ones included)."""
+        return chain(self.log, self.big)
+
+
 class ChunkIndex:
-    """chunk hash -> {(instance, worker, location)}, with per-slot key sets for fast purge."""
+    """chunk hash -> {(instance, worker, location)}, with per-slot key logs for fast purge."""
 
     def __init__(self) -> None:
         self._chunks: dict[int, int] = {}
         self._count = 0
-        # slot tables (index = slot id); a slot exists iff its key set is non-empty
-        self._slot_keys: list[set[int]] = []
-        self._slot_id: list[tuple[str, int, str] | None] = []
-        self._slot_inst: list[int] = []
+        self._slots: list[_Slot | None] = []  # index = slot id
         self._slot_of: dict[tuple[str, int, str], int] = {}
         self._free_slots: list[int] = []
-        # instances interned to small indices for instance bitmasks
-        self._inst_of: dict[str, int] = {}
+        self._inst_of: dict[str, int] = {}  # instances interned for instance bitmasks
         self._inst_name: list[str] = []
-        self._inst_slots: dict[str, int] = {}  # instance -> mask of its slots
         self._free_insts: list[int] = []
+        self._inst_slots: dict[str, int] = {}  # instance -> mask of its slots
         self._rank_slots: dict[int, int] = {}  # worker id -> mask of slots with that id
         self._canon: dict[int, int] = {}
         self._memo: dict[int, _Decoded] = {}
@@ -125,29 +161,25 @@ class ChunkIndex:
                 inst = len(self._inst_name)
                 self._inst_name.append(instance_id)
             self._inst_of[instance_id] = inst
-        if self._free_slots:
-            slot = heapq.heappop(self._free_slots)
-            self._slot_id[slot] = ident
-            self._slot_inst[slot] = inst
+        slot = heapq.heappop(self._free_slots) if self._free_slots else len(self._slots)
+        record = _Slot(ident, inst, 1 << slot)
+        if slot == len(self._slots):
+            self._slots.append(record)
         else:
-            slot = len(self._slot_keys)
-            self._slot_keys.append(set())
-            self._slot_id.append(ident)
-            self._slot_inst.append(inst)
+            self._slots[slot] = record
         self._slot_of[ident] = slot
-        bit = 1 << slot
-        self._inst_slots[instance_id] = self._inst_slots.get(instance_id, 0) | bit
-        self._rank_slots[worker_id] = self._rank_slots.get(worker_id, 0) | bit
+        self._inst_slots[instance_id] = self._inst_slots.get(instance_id, 0) | record.bit
+        self._rank_slots[worker_id] = self._rank_slots.get(worker_id, 0) | record.bit
         return slot
 
     def _release(self, slot: int) -> None:
         """Forget an empty slot (and its instance when that was its last slot)."""
-        ident = self._slot_id[slot]
-        assert ident is not None and not self._slot_keys[slot]
-        instance_id, worker_id, _ = ident
-        nbit = ~(1 << slot)
-        del self._slot_of[ident]
-        self._slot_id[slot] = None
+        record = self._slots[slot]
+        assert record is not None and record.count == 0
+        instance_id, worker_id, _ = record.ident
+        nbit = ~record.bit
+        del self._slot_of[record.ident]
+        self._slots[slot] = None
         heapq.heappush(self._free_slots, slot)
         rank = self._rank_slots[worker_id] & nbit
         if rank:
@@ -159,31 +191,33 @@ class ChunkIndex:
             self._inst_slots[instance_id] = inst_mask
         else:
             del self._inst_slots[instance_id]
-            inst = self._inst_of.pop(instance_id)
-            heapq.heappush(self._free_insts, inst)
+            heapq.heappush(self._free_insts, self._inst_of.pop(instance_id))
         # masks that mention the slot are gone from the index; their memos must go too
         self._memo.clear()
         self._canon.clear()
+
+    def _record(self, slot: int) -> _Slot:
+        record = self._slots[slot]
+        assert record is not None
+        return record
 
     def _decode(self, mask: int) -> _Decoded:
         decoded = self._memo.get(mask)
         if decoded is not None:
             return decoded
         inst_mask = 0
-        slots: list[int] = []
         groups: dict[tuple[int, str], None] = {}
+        workers: dict[int, set[int]] = {}
         rest = mask
         while rest:
             low = rest & -rest
-            slot = low.bit_length() - 1
             rest ^= low
-            inst = self._slot_inst[slot]
-            ident = self._slot_id[slot]
-            assert ident is not None
-            inst_mask |= 1 << inst
-            slots.append(slot)
-            groups[(inst, ident[2])] = None
-        decoded = _Decoded(inst_mask, tuple(slots), tuple(groups))
+            record = self._record(low.bit_length() - 1)
+            inst_mask |= 1 << record.inst
+            groups[(record.inst, record.ident[2])] = None
+            workers.setdefault(record.inst, set()).add(record.ident[1])
+        ranks = {inst: tuple(sorted(ids)) for inst, ids in workers.items()}
+        decoded = _Decoded(inst_mask, tuple(groups), ranks)
         if len(self._memo) >= _MEMO_LIMIT:
             self._memo.clear()
         self._memo[mask] = decoded
@@ -191,60 +225,73 @@ class ChunkIndex:
 
     # ----------------------------------------------------------- mutations
     def _add(self, slot: int, keys: Iterable[int]) -> int:
-        held = self._slot_keys[slot]
-        new = set(keys)
-        new.difference_update(held)
-        if not new:
-            return 0
-        held.update(new)
+        record = self._record(slot)
+        bit = record.bit
         canon = self._canon
         if len(canon) >= _MEMO_LIMIT:
             canon.clear()
-        bit = 1 << slot
-        bit = canon.setdefault(bit, bit)
+        keep = canon.setdefault
         chunks = self._chunks
         get = chunks.get
-        for key in new:
+        added: list[int] = []
+        push = added.append
+        for key in keys:
             mask = get(key)
             if mask is None:
                 chunks[key] = bit
-            else:
+                push(key)
+            elif not mask & bit:
                 mask |= bit
-                chunks[key] = canon.setdefault(mask, mask)
-        self._count += len(new)
-        return len(new)
+                chunks[key] = keep(mask, mask)
+                push(key)
+        if added:
+            record.count += len(added)
+            self._count += len(added)
+            record.append(added)
+        return len(added)
 
-    def _drop(self, slot: int, keys: Iterable[int] | None) -> int:
-        """Remove ``keys`` (all of the slot's keys when None) from a slot; release it if empty."""
-        held = self._slot_keys[slot]
-        if keys is None:
-            gone = held
-            self._slot_keys[slot] = set()
-        else:
-            gone = held.intersection(keys)
-            if not gone:
-                return 0
-            held.difference_update(gone)
+    def _drop(self, slot: int, keys: Iterable[int]) -> int:
+        """Remove ``keys`` from a slot; release the slot when it ends up empty."""
+        record = self._record(slot)
+        bit = record.bit
+        nbit = ~bit
         canon = self._canon
         if len(canon) >= _MEMO_LIMIT:
             canon.clear()
-        nbit = ~(1 << slot)
+        keep = canon.setdefault
         chunks = self._chunks
-        for key in gone:
-            mask = chunks[key] & nbit
-            if mask:
-                chunks[key] = canon.setdefault(mask, mask)
-            else:
-                del chunks[key]
-        self._count -= len(gone)
-        if not self._slot_keys[slot]:
-            self._release(slot)
-        return len(gone)
+        get = chunks.get
+        removed = 0
+        for key in keys:
+            mask = get(key)
+            if mask is not None and mask & bit:
+                mask &= nbit
+                if mask:
+                    chunks[key] = keep(mask, mask)
+                else:
+                    del chunks[key]
+                removed += 1
+        if removed:
+            record.count -= removed
+            self._count -= removed
+            if not record.count:
+                self._release(slot)
+            elif len(record.log) + len(record.big) > 2 * record.count + _LOG_SLACK:
+                live = self._live(record)
+                record.log, record.big = array("q"), []
+                record.append(live)
+        return removed
+
+    def _live(self, record: _Slot) -> list[int]:
+        get = self._chunks.get
+        bit = record.bit
+        return [key for key in dict.fromkeys(record.logged()) if get(key, 0) & bit]
 
     def admit(self, instance_id: str, worker_id: int, location: str, keys: Sequence[int]) -> int:
         """Record that the worker's ``location`` tier holds ``keys``; returns how many are new."""
         if not keys:
             return 0
+        # a new slot has no bits yet, so non-empty keys always leave it non-empty
         return self._add(self._slot(instance_id, worker_id, location), keys)
 
     def evict(self, instance_id: str, worker_id: int, location: str, keys: Sequence[int]) -> int:
@@ -267,13 +314,12 @@ class ChunkIndex:
             low = mask & -mask
             mask ^= low
             slot = low.bit_length() - 1
-            ident = self._slot_id[slot]
-            assert ident is not None
-            if worker_id is not None and ident[1] != worker_id:
+            record = self._record(slot)
+            if worker_id is not None and record.ident[1] != worker_id:
                 continue
-            if location is not None and ident[2] != location:
+            if location is not None and record.ident[2] != location:
                 continue
-            removed += self._drop(slot, None)
+            removed += self._drop(slot, record.logged())
         return removed
 
     def remove_worker(self, instance_id: str, worker_id: int) -> int:
@@ -286,17 +332,15 @@ class ChunkIndex:
 
     def replace(self, instance_id: str, worker_id: int, location: str, keys: Sequence[int]) -> None:
         """End of a full sync: the worker's ``location`` tier now holds exactly ``keys``."""
-        wanted = set(keys)
+        wanted = dict.fromkeys(keys)
         slot = self._slot_of.get((instance_id, worker_id, location))
         if slot is None:
             if wanted:
                 self._add(self._slot(instance_id, worker_id, location), wanted)
             return
-        held = self._slot_keys[slot]
-        stale = held - wanted
-        wanted.difference_update(held)
-        if wanted:
-            self._add(slot, wanted)
+        record = self._record(slot)
+        stale = [key for key in self._live(record) if key not in wanted]
+        self._add(slot, wanted)
         if stale:
             self._drop(slot, stale)
 
@@ -304,7 +348,7 @@ class ChunkIndex:
     def worker_keys(self, instance_id: str, worker_id: int, location: str) -> list[int]:
         """The keys one worker's tier holds, in no particular order."""
         slot = self._slot_of.get((instance_id, worker_id, location))
-        return [] if slot is None else list(self._slot_keys[slot])
+        return [] if slot is None else self._live(self._record(slot))
 
     def locations_of(self, instance_id: str, worker_id: int) -> list[str]:
         """The tiers where a worker holds at least one chunk, fastest first."""
@@ -313,39 +357,50 @@ class ChunkIndex:
         ]
         return sorted(found, key=tier_rank)
 
-    def _scan(self, hashes: Sequence[int], slot_filter: int) -> tuple[dict[int, int], list[_Run]]:
-        """Per-instance leading hits over the slots in ``slot_filter`` (-1: all slots).
+    def _scan(self, hashes: Iterable[int], slot_filter: int) -> tuple[dict[int, int], list[_Run]]:
+        """Per-instance leading hits counting only the slots in ``slot_filter`` (-1: all).
 
-        Stops at the first chunk that no instance still in the race holds.
+        Returns {instance index: hit chunks} and the runs of equal (filtered) masks.
         """
         get = self._chunks.get
         decode = self._decode
+        source = iter(hashes)
+        zeros = repeat(0)
         hits: dict[int, int] = {}
         runs: list[_Run] = []
         alive = 0
-        prev = -1  # no mask equals it, so the first chunk always opens a run
+        raw = -1  # last raw mask seen; no mask equals -1, so the first chunk opens a run
+        prev = -1  # last filtered mask
         start = 0
         n = 0
-        for key in hashes:
-            mask = get(key, 0) & slot_filter
-            if mask != prev:
-                still = decode(mask).inst_mask if mask else 0
-                if n:
-                    still &= alive
-                    runs.append(_Run(prev, n - start, alive))
-                    ended = alive & ~still
-                    while ended:
-                        low = ended & -ended
-                        ended ^= low
-                        hits[low.bit_length() - 1] = n
-                if not still:
-                    alive = 0
-                    break
-                alive = still
-                prev = mask
-                start = n
-            n += 1
-        if alive:
+        while True:
+            block = list(map(get, islice(source, SCAN_BLOCK), zeros))
+            if not block:
+                break
+            if block[0] is raw and block.count(raw) == len(block):
+                n += len(block)  # the whole block has the current holders: C speed
+                continue
+            for mask in block:
+                if mask is not raw and mask != raw:
+                    raw = mask
+                    held = mask & slot_filter
+                    if held != prev:
+                        still = decode(held).inst_mask if held else 0
+                        if n:
+                            still &= alive
+                            runs.append(_Run(prev, n - start, alive))
+                            ended = alive & ~still
+                            while ended:
+                                low = ended & -ended
+                                ended ^= low
+                                hits[low.bit_length() - 1] = n
+                        if not still:
+                            return hits, runs
+                        alive = still
+                        prev = held
+                        start = n
+                n += 1
+        if n:
             runs.append(_Run(prev, n - start, alive))
             while alive:
                 low = alive & -alive
@@ -367,17 +422,11 @@ class ChunkIndex:
                 if run.alive >> inst & 1:
                     counts = per_loc[inst]
                     counts[loc] = counts.get(loc, 0) + run.length
-        workers: dict[int, list[int]] = {inst: [] for inst in hits}
-        for slot in self._decode(runs[0].mask).slots:
-            listed = workers[self._slot_inst[slot]]
-            ident = self._slot_id[slot]
-            assert ident is not None
-            if ident[1] not in listed:
-                listed.append(ident[1])
+        workers = self._decode(runs[0].mask).workers  # every hit instance holds the first chunk
         result: dict[str, InstanceHit] = {}
         for inst, n in hits.items():
             name = self._inst_name[inst]
-            result[name] = InstanceHit(name, n, per_loc[inst], tuple(sorted(workers[inst])))
+            result[name] = InstanceHit(name, n, per_loc[inst], workers[inst])
         return result
 
     def p2p_lookup(
@@ -390,7 +439,7 @@ class ChunkIndex:
         instance id. ``location`` is the fastest tier (``TIER_ORDER``) holding the first chunk.
         """
         allowed = self._rank_slots.get(worker_id, 0) & ~self._inst_slots.get(requester_instance, 0)
-        if not allowed or not hashes:
+        if not allowed:
             return []
         hits, runs = self._scan(hashes, allowed)
         if not hits:
@@ -411,9 +460,10 @@ class ChunkIndex:
             "instances": len(self._inst_slots),
             "workers": len({(inst, wid) for (inst, wid, _) in self._slot_of}),
         }
-        for (_, _, loc), slot in self._slot_of.items():
-            name = f"location:{loc}"
-            out[name] = out.get(name, 0) + len(self._slot_keys[slot])
+        for slot in self._slot_of.values():
+            record = self._record(slot)
+            name = f"location:{record.ident[2]}"
+            out[name] = out.get(name, 0) + record.count
         return out
 
     def __len__(self) -> int:
