@@ -21,7 +21,7 @@ import torch
 
 from kvpool.worker.engine.blocks import BlockManager
 from kvpool.worker.engine.compute import ComputeThread
-from kvpool.worker.engine.model import PagedModel, load_hf_model
+from kvpool.worker.engine.model import ModelShape, PagedModel, load_hf_model
 from kvpool.worker.engine.runner import ModelRunner, StepOutput
 from kvpool.worker.engine.sampling import make_generator, validate_sampling
 from kvpool.worker.engine.scheduler import Scheduler
@@ -123,7 +123,34 @@ class ReferenceEngine:
             extra = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
             self._eos_ids = frozenset({self.options.eos_token_id, *extra})
         caches = model.allocate_kv_caches(self.options.num_kv_blocks, self.options.block_size)
+        if self.offload is None and self.options.lmcache_config_file is not None:
+            self.offload = self._build_lmcache(model.shape)
         return ModelRunner(model, caches, self.options.block_size, self.offload)
+
+    def _build_lmcache(self, shape: ModelShape) -> KVOffload:
+        """The real LMCache offload from ``options.lmcache_config_file`` (imported lazily:
+        an engine without LMCache never loads it)."""
+        from kvpool.worker.engine.offload import (  # noqa: PLC0415 (lazy: heavy import)
+            LMCacheOffload,
+            OffloadConfigError,
+        )
+
+        opts = self.options
+        try:
+            offload = LMCacheOffload(
+                opts.lmcache_config_file or "",
+                instance_id=opts.lmcache_instance_id,
+                num_layers=shape.num_layers,
+                num_kv_heads=shape.num_kv_heads,
+                head_dim=shape.head_dim,
+                block_size=opts.block_size,
+                dtype=shape.dtype,
+                model_name=opts.model_name,
+            )
+        except OffloadConfigError as exc:
+            raise EngineError(f"lmcache_config_file {opts.lmcache_config_file!r}: {exc}") from exc
+        logger.info("reference engine %s offloads KV through LMCache", self.model_name)
+        return offload
 
     @property
     def model(self) -> PagedModel:
@@ -393,6 +420,13 @@ class ReferenceEngine:
         """Free aborted requests now unless a step is using their blocks."""
         if not self._step_in_flight:
             self._reap_aborted()
+
+    async def flush(self) -> None:
+        """Hand every completed prompt's KV to the offload now (after the running step).
+        Stores are otherwise deferred to the next step or the next idle moment; benchmarks
+        and tests call this before measuring a hit."""
+        runner = self._require_runner()
+        await self._compute.run(runner.flush_stores)
 
     # --- metrics and the memory API ----------------------------------------------------
     def metrics(self) -> dict[str, float]:

@@ -144,13 +144,7 @@ def load_hf_model(
             config.hidden_size,
         )
     else:
-        try:
-            config = AutoConfig.from_pretrained(options.model_dir, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise EngineError(
-                f"model_dir {options.model_dir!r} is not a local HF model directory "
-                f"(config.json): {exc}"
-            ) from exc
+        config = local_config(options.model_dir)
         check_supported(config, options.model_dir)
         model = AutoModelForCausalLM.from_pretrained(
             options.model_dir, local_files_only=True, dtype=torch.float32
@@ -177,6 +171,39 @@ def check_supported(config: Any, where: str) -> None:
             )
 
 
+def shape_of(config: Any, dtype: torch.dtype) -> ModelShape:
+    num_heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return ModelShape(
+        num_layers=int(config.num_hidden_layers),
+        num_heads=num_heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
+        head_dim=int(head_dim),
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
+        dtype=dtype,
+    )
+
+
+def model_shape(options: ReferenceEngineOptions, **config_overrides: Any) -> ModelShape:
+    """The model's KV shape from its config alone (no weights loaded): what an offload
+    (LMCache) needs to be built before the engine starts."""
+    dtype = resolve_dtype(options.dtype)
+    if options.model_dir is None:
+        return shape_of(reference_config(options, **config_overrides), dtype)
+    return shape_of(local_config(options.model_dir), dtype)
+
+
+def local_config(model_dir: str) -> Any:
+    """The config of a local HF model directory; never contacts a hub."""
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise EngineError(
+            f"model_dir {model_dir!r} is not a local HF model directory (config.json): {exc}"
+        ) from exc
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -194,17 +221,7 @@ class PagedModel:
         self.norm: nn.Module = body.norm
         self.rotary: nn.Module = body.rotary_emb
         self.lm_head: nn.Module = hf_model.lm_head
-        num_heads = int(config.num_attention_heads)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.shape = ModelShape(
-            num_layers=len(self.layers),
-            num_heads=num_heads,
-            num_kv_heads=int(config.num_key_value_heads or num_heads),
-            head_dim=int(head_dim),
-            hidden_size=int(config.hidden_size),
-            vocab_size=int(config.vocab_size),
-            dtype=next(hf_model.parameters()).dtype,
-        )
+        self.shape = shape_of(config, next(hf_model.parameters()).dtype)
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One zeroed NHD cache per layer: [2, num_blocks, block_size, kv_heads, head_dim]."""
