@@ -14,13 +14,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-import yaml
-
 from kvpool.operator.loader import Loaded, LoadError, load_text
 from kvpool.operator.quantity import format_bytes
 from kvpool.operator.render import render_domain
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
 from kvpool.operator.validation import errors, memory_budgets, validate_domain, warnings
+from kvpool.operator.yamlfmt import dump_all
 
 
 def _load(files: Sequence[str]) -> Loaded:
@@ -88,7 +87,7 @@ def cmd_render(files: Sequence[str], fmt: str, out: TextIO, err: TextIO) -> int:
         json.dump({"apiVersion": "v1", "kind": "List", "items": objects}, out, indent=2)
         out.write("\n")
     else:
-        yaml.safe_dump_all(objects, out, sort_keys=False)
+        out.write(dump_all(objects))
     return 0
 
 

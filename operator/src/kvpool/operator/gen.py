@@ -79,6 +79,7 @@ def _structural(node: Any, *, kubernetes: bool) -> Any:
             node.pop("default")
     if node.get("default", 0) is None:
         node.pop("default")
+    node.pop("title", None)
     if "exclusiveMinimum" in node and not isinstance(node["exclusiveMinimum"], bool):
         node["minimum"] = node.pop("exclusiveMinimum")
         node["exclusiveMinimum"] = True
