@@ -19,7 +19,7 @@ Public API::
   ``T <= 65535``. Bins default to LMCache's table (:func:`default_bins`): below 10 layers 32
   everywhere, else K layers 0-9 and V layers 0-1 at 32 and the rest at 16; pass one count
   per layer (4..64) to override. ``subchunk`` is the tokens per bitstream (LMCache: 256).
-* ``decode(data, *, device=None, max_elements=2**31)``: the reconstruction, on ``device``.
+* ``decode(data, *, device=None, max_elements=2**30)``: the reconstruction, on ``device``.
   Per element ``|x - x_hat| <= scale / (2 * MAX) + dtype rounding`` where
   ``scale = max |x|`` over the (layer, token) row and ``MAX = bins // 2 - 1``. An all-zero
   row decodes to exact zeros (LMCache yields NaN there).

@@ -14,11 +14,11 @@ Layout (version 1)::
     7       1     dtype: 1 = float16, 2 = bfloat16, 3 = float32
     8       4     num_layers L             (1 .. 4096)
     12      4     num_tokens T             (1 .. 65535)
-    16      4     channels C = heads*dim   (1 .. 65536)
+    16      4     channels C = heads*dim   (1 .. 65536; 2*L*C <= 2^21)
     20      2     sub-chunk tokens         (1 .. 4096; LMCache uses 256)
     22      1     Lp = max(bins) + 1       (CDF entries)
     23      1     reserved, 0
-    24      4     meta_raw_len             (must equal the size the header implies)
+    24      4     meta_raw_len             (must equal the size the header implies, <= 256 MiB)
     28      4     meta_zlen                (zlib-compressed metadata)
     32      8     payload_len
     40      2L    bins per layer, u8: K layers 0..L-1 then V layers 0..L-1
@@ -52,7 +52,10 @@ MAX_LAYERS = 4096
 MAX_TOKENS = 65535
 MAX_CHANNELS = 65536
 MAX_SUBCHUNK = 4096
-DEFAULT_MAX_ELEMENTS = 1 << 31
+MAX_STREAMS = 1 << 21  # 2 * layers * channels; Llama-3.1-405B has 516K
+MAX_META = 256 << 20
+ZLIB_MAX_RATIO = 1100  # deflate cannot expand more than ~1032:1
+DEFAULT_MAX_ELEMENTS = 1 << 30
 _FIXED = struct.Struct("<4sHBBIIIHBBIIQ")
 _CRC = 4
 
@@ -127,6 +130,10 @@ def check_shape(num_layers: int, num_tokens: int, channels: int, max_elements: i
         )
     if not 1 <= channels <= MAX_CHANNELS:
         raise CacheGenError(f"channels {channels} out of range [1, {MAX_CHANNELS}]")
+    if 2 * num_layers * channels > MAX_STREAMS:
+        raise CacheGenError(
+            f"2 x {num_layers} layers x {channels} channels exceeds {MAX_STREAMS} streams"
+        )
     if 2 * num_layers * num_tokens * channels > max_elements:
         raise CacheGenError(
             f"KV of 2x{num_layers}x{num_tokens}x{channels} exceeds max_elements={max_elements}"
@@ -153,6 +160,8 @@ def pack(
     )
     if len(raw) != sum(header.meta_layout()):
         raise CacheGenError("internal error: metadata size does not match the header")
+    if len(raw) > MAX_META:
+        raise CacheGenError(f"metadata of {len(raw)} bytes exceeds {MAX_META}: split the chunk")
     meta = zlib.compress(raw, 6)
     fixed = _FIXED.pack(
         MAGIC,
@@ -212,6 +221,8 @@ def parse_header(
         meta_zlen=zlen,
         payload_len=plen,
     )
+    if raw_len > MAX_META or raw_len > ZLIB_MAX_RATIO * zlen + 1024:
+        raise CacheGenError(f"metadata of {raw_len} bytes from {zlen} compressed is implausible")
     if raw_len != sum(header.meta_layout()):
         raise CacheGenError(
             f"metadata length {raw_len} != {sum(header.meta_layout())} implied by the header"
