@@ -34,9 +34,7 @@ def _rendered(platforms: set[str]) -> list[tuple[str, str, dict[str, Any]]]:
         for domain in loaded.domains():
             for member in domain.members:
                 engine = (
-                    member.spec.engine
-                    if member.kind == "P2PGroup"
-                    else member.spec.prefill.engine  # type: ignore[union-attr]
+                    member.spec.engine if member.kind == "P2PGroup" else member.spec.prefill.engine  # type: ignore[union-attr]
                 )
                 if engine.platform not in platforms:
                     continue
