@@ -110,7 +110,10 @@ ASCEND_ONLY_KEYS: frozenset[str] = frozenset(
 )
 
 #: Keys kvpool derives itself; an override of one is an error (it would break the contract).
-MANAGED_KEYS: frozenset[str] = frozenset(
+#: Every Ascend key except the store_async pair is derived from the transfer spec too.
+MANAGED_KEYS: frozenset[str] = (
+    ASCEND_ONLY_KEYS - {"store_async", "store_async_max_queue_size"}
+) | frozenset(
     [
         "chunk_size",
         "local_cpu",
@@ -144,16 +147,6 @@ MANAGED_KEYS: frozenset[str] = frozenset(
         "use_layerwise",
         "enable_async_loading",
         "cache_policy",
-        "p2p_use_npu",
-        "p2p_npu_buffer_size",
-        "p2p_pull_mode",
-        "p2p_delay_pull",
-        "pd_pull_mode",
-        "pd_delay_pull",
-        "pd_pull_done_port",
-        "pd_pull_pending_ttl",
-        "pd_use_cpu_offload",
-        "pd_cpu_buffer_size",
     ]
 )
 
