@@ -1,0 +1,349 @@
+"""``kvpool-worker``: the worker pod's entry point.
+
+Why this module exists: in a pod, the worker is what turns the operator's rendered LMCache
+config and injected environment into a running engine, and what refuses to run when they are
+inconsistent (a worker from another cache domain serves 0 % hits without any error). Here it
+parses flags, checks the contract, then either execs vLLM(-Ascend) with the LMCache connector
+(``--engine vllm``) or serves the reference engine over HTTP (``--engine reference``) with a
+bounded SIGTERM drain.
+
+    kvpool-worker serve --engine reference --port 8000
+    kvpool-worker serve --engine vllm --platform ascend --model /models/qwen3 --block-size 128
+    kvpool-worker fingerprint --model M --block-size 16 --kv-dtype float32 [--config FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from pydantic import ValidationError
+
+from kvpool.worker.contract import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_HASH_ALGORITHM,
+    DomainFacts,
+    Problem,
+    check_contract,
+    domain_fingerprint,
+    format_problems,
+    parse_lmcache_config,
+)
+from kvpool.worker.engine_api import Engine, ReferenceEngineOptions
+from kvpool.worker.server import WorkerRuntime, build_app
+from kvpool.worker.settings import WorkerSettings
+from kvpool.worker.shutdown import EXIT_OK, GracefulShutdown, ShutdownPolicy, hard_exit
+from kvpool.worker.tokenizer import TextTokenizer, load_tokenizer
+from kvpool.worker.vllm_cmd import VllmCommandError, VllmLaunch, vllm_command
+
+logger = logging.getLogger(__name__)
+
+EXIT_REFUSED = 2  # the contract or the flags are wrong: fix the deployment, do not retry
+EXIT_FAILED = 1  # the engine failed to start
+
+
+class StartRefusedError(Exception):
+    """The worker must not start; the message says what to fix (printed, no traceback)."""
+
+
+# Flag name → settings field. Flags left unset fall through to KVPOOL_WORKER_* and defaults.
+_SERVE_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--host", "host", str, "bind address (default 127.0.0.1)"),
+    ("--port", "port", int, "HTTP port (default 8000)"),
+    ("--model", "model", str, "served model name; part of the domain fingerprint"),
+    ("--model-dir", "model_dir", str, "local HF model directory (reference: else random)"),
+    ("--block-size", "block_size", int, "KV block size in tokens (fingerprint)"),
+    ("--kv-dtype", "kv_dtype", str, "KV dtype, e.g. float32, bfloat16 (fingerprint)"),
+    ("--max-model-len", "max_model_len", int, "prompt plus generated tokens, at most"),
+    ("--tokenizer", "tokenizer", str, "tokenizer.json or its directory"),
+    ("--weights-seed", "weights_seed", int, "reference: seed of the random weights"),
+    ("--num-kv-blocks", "num_kv_blocks", int, "reference: paged KV capacity in blocks"),
+    ("--max-num-seqs", "max_num_seqs", int, "reference: requests batched together"),
+    ("--platform", "platform", str, "vllm: ascend or cuda"),
+    ("--ascend-connector", "ascend_connector", str, "vllm on ascend: dynamic or builtin"),
+    ("--tensor-parallel-size", "tensor_parallel_size", int, "vllm: TP size"),
+    ("--lmcache-rpc-port", "lmcache_rpc_port", str, "vllm: LMCache RPC port identifier"),
+    ("--session-capacity", "session_capacity", int, "sessions remembered for /memory"),
+    ("--unready-delay", "unready_delay_s", float, "SIGTERM: seconds unready before draining"),
+    ("--drain-timeout", "drain_timeout_s", float, "SIGTERM: seconds to drain in-flight work"),
+    ("--shutdown-deadline", "shutdown_deadline_s", float, "SIGTERM: exit within (seconds)"),
+    ("--log-level", "log_level", str, "debug, info, warning or error"),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool-worker", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the worker (reference engine or vLLM)")
+    serve.add_argument("--engine", choices=["reference", "vllm"], default=None)
+    for flag, field, kind, text in _SERVE_FLAGS:
+        serve.add_argument(flag, dest=field, type=kind, default=None, help=text)
+    serve.add_argument(
+        "--print-command",
+        action="store_true",
+        help="vllm: print the command line instead of exec'ing it",
+    )
+    serve.add_argument("vllm_args", nargs="*", help="after --: extra vLLM arguments")
+    fp = sub.add_parser("fingerprint", help="print the cache-domain fingerprint")
+    fp.add_argument("--model", required=True)
+    fp.add_argument("--block-size", type=int, required=True)
+    fp.add_argument("--kv-dtype", required=True)
+    fp.add_argument("--config", help="LMCache YAML (chunk size, hash algorithm)")
+    fp.add_argument("--hash-seed", help="default: $PYTHONHASHSEED")
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> WorkerSettings:
+    fields = [f for _, f, _, _ in _SERVE_FLAGS] + ["engine"]
+    overrides = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+    try:
+        return WorkerSettings(**overrides)
+    except ValidationError as exc:
+        lines = [
+            f"  - {'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
+            for e in exc.errors()
+        ]
+        raise StartRefusedError(
+            "invalid settings (flags or KVPOOL_WORKER_*):\n" + "\n".join(lines)
+        ) from exc
+
+
+def read_config(env: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """The rendered LMCache config's text, or None and why it could not be read."""
+    path = env.get("LMCACHE_CONFIG_FILE")
+    if path is None:
+        return None, "LMCACHE_CONFIG_FILE is unset"
+    try:
+        return Path(path).read_text(encoding="utf-8"), None
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
+
+
+def enforce_contract(settings: WorkerSettings, env: Mapping[str, str]) -> dict[str, Any]:
+    """Check DESIGN.md rules 1 and 9; return the parsed LMCache config or refuse."""
+    text, error = read_config(env)
+    problems: list[Problem] = check_contract(
+        env,
+        text,
+        config_error=error,
+        model=settings.model,
+        block_size=settings.block_size,
+        kv_dtype=settings.kv_dtype,
+    )
+    if problems:
+        raise StartRefusedError(format_problems(problems))
+    config, _ = parse_lmcache_config(text or "")
+    return config
+
+
+def run_vllm(args: argparse.Namespace, settings: WorkerSettings, env: Mapping[str, str]) -> int:
+    config = enforce_contract(settings, env)
+    launch = VllmLaunch(
+        model=settings.model_dir or settings.model,
+        served_model_name=settings.model,
+        platform=settings.platform,
+        ascend_connector=settings.ascend_connector,
+        block_size=settings.block_size,
+        kv_dtype=settings.kv_dtype,
+        host=settings.host,
+        port=settings.port,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        max_model_len=settings.max_model_len,
+        lmcache_rpc_port=settings.lmcache_rpc_port,
+        extra_args=tuple(args.vllm_args),
+    )
+    try:
+        argv = vllm_command(config, launch)
+    except VllmCommandError as exc:
+        raise StartRefusedError(f"cannot build the vLLM command: {exc}") from exc
+    if args.print_command:
+        print(shlex.join(argv))
+        return EXIT_OK
+    logger.info("exec %s", shlex.join(argv))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(argv[0], argv, dict(env))
+    return EXIT_FAILED  # not reached
+
+
+def reference_options(settings: WorkerSettings, config_file: str | None) -> ReferenceEngineOptions:
+    return ReferenceEngineOptions(
+        model_name=settings.model,
+        model_dir=settings.model_dir,
+        weights_seed=settings.weights_seed,
+        max_model_len=settings.max_model_len,
+        block_size=settings.block_size,
+        num_kv_blocks=settings.num_kv_blocks,
+        max_num_seqs=settings.max_num_seqs,
+        dtype=settings.kv_dtype,
+        lmcache_config_file=config_file,
+    )
+
+
+def tokenizer_for(settings: WorkerSettings) -> TextTokenizer:
+    path: str | None = settings.tokenizer
+    if path is None and settings.model_dir is not None:
+        candidate = Path(settings.model_dir) / "tokenizer.json"
+        path = str(candidate) if candidate.is_file() else None
+    try:
+        return load_tokenizer(path)
+    except Exception as exc:
+        raise StartRefusedError(
+            f"cannot load the tokenizer {path or '(reference)'}: {exc}"
+        ) from exc
+
+
+def build_reference_engine(
+    settings: WorkerSettings, env: Mapping[str, str], tokenizer: TextTokenizer
+) -> Engine:
+    """The reference engine, with LMCache when the operator rendered a config."""
+    config_file = env.get("LMCACHE_CONFIG_FILE")
+    config: dict[str, Any] = {}
+    if config_file is not None:
+        config = enforce_contract(settings, env)
+    else:
+        logger.warning(
+            "LMCACHE_CONFIG_FILE is unset: the reference engine runs without LMCache "
+            "(every prompt is prefilled; no KV is stored or shared)"
+        )
+    # torch, transformers and LMCache load only now: refusals and the vllm path stay fast.
+    from kvpool.worker.engine import ReferenceEngine  # noqa: PLC0415
+    from kvpool.worker.engine.model import model_shape  # noqa: PLC0415
+
+    options = reference_options(settings, config_file)
+    try:
+        shape = model_shape(options)
+    except Exception as exc:
+        raise StartRefusedError(f"cannot read the model config: {exc}") from exc
+    if tokenizer.vocab_size > shape.vocab_size:
+        raise StartRefusedError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary has "
+            f"{shape.vocab_size}; pass the model's own tokenizer with --tokenizer"
+        )
+    offload = None
+    if config_file is not None:
+        from kvpool.worker.engine.offload import (  # noqa: PLC0415
+            LMCacheOffload,
+            OffloadConfigError,
+        )
+
+        instance = str(config.get("lmcache_instance_id") or options.lmcache_instance_id)
+        try:
+            offload = LMCacheOffload(
+                config_file,
+                instance_id=instance,
+                num_layers=shape.num_layers,
+                num_kv_heads=shape.num_kv_heads,
+                head_dim=shape.head_dim,
+                block_size=options.block_size,
+                dtype=options.dtype,
+                model_name=options.model_name,
+            )
+        except OffloadConfigError as exc:
+            raise StartRefusedError(f"LMCache: {exc}") from exc
+    return ReferenceEngine(options, offload)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: GracefulShutdown owns SIGTERM/SIGINT."""
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        return None
+
+    def capture_signals(self) -> Any:  # uvicorn >= 0.29
+        return contextlib.nullcontext()
+
+
+async def serve(runtime: WorkerRuntime, settings: WorkerSettings) -> int:
+    """Serve until SIGTERM (drained, engine shut down) or an engine start failure."""
+    app = build_app(runtime, start_engine=False)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=2,
+        lifespan="on",
+    )
+    server = _Server(config)
+
+    def stop_server() -> None:
+        server.should_exit = True
+
+    policy = ShutdownPolicy(
+        unready_delay_s=settings.unready_delay_s,
+        drain_timeout_s=settings.drain_timeout_s,
+        shutdown_deadline_s=settings.shutdown_deadline_s,
+    )
+    shutdown = GracefulShutdown(runtime, policy, stop_server)
+    shutdown.install(asyncio.get_running_loop())
+    code = EXIT_OK
+
+    async def start() -> None:
+        nonlocal code
+        try:
+            await runtime.start_engine()
+        except Exception:
+            code = EXIT_FAILED
+            stop_server()
+
+    start_task = asyncio.create_task(start(), name="kvpool-engine-start")
+    await server.serve()
+    if shutdown.started:
+        await shutdown.done.wait()
+    elif not start_task.done():
+        start_task.cancel()
+    return code
+
+
+def _fingerprint(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    chunk, algo = DEFAULT_CHUNK_SIZE, DEFAULT_HASH_ALGORITHM
+    if args.config:
+        config, problems = parse_lmcache_config(Path(args.config).read_text(encoding="utf-8"))
+        if problems:
+            raise StartRefusedError(format_problems(problems))
+        chunk = int(config.get("chunk_size", chunk))
+        algo = str(config.get("pre_caching_hash_algorithm", algo))
+    seed = args.hash_seed if args.hash_seed is not None else env.get("PYTHONHASHSEED", "")
+    facts = DomainFacts(args.block_size, chunk, algo, seed, args.kv_dtype, args.model)
+    print(domain_fingerprint(facts))
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    env = dict(os.environ)
+    try:
+        if args.command == "fingerprint":
+            return _fingerprint(args, env)
+        settings = settings_from(args)
+        logging.basicConfig(
+            level=settings.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        if settings.engine == "vllm":
+            return run_vllm(args, settings, env)
+        tokenizer = tokenizer_for(settings)
+        engine = build_reference_engine(settings, env, tokenizer)
+    except StartRefusedError as exc:
+        print(f"kvpool-worker: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    runtime = WorkerRuntime(engine, tokenizer, session_capacity=settings.session_capacity)
+    code = asyncio.run(serve(runtime, settings))
+    logger.info("kvpool-worker exits with %d", code)
+    # LMCache leaves non-daemon threads behind: a normal interpreter exit could wait forever.
+    hard_exit(code)
+    return code  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

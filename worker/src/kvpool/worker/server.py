@@ -1,0 +1,470 @@
+"""The worker's HTTP API: OpenAI completions and chat (streaming and not), models, tokenize,
+health, readiness, Prometheus metrics, and the internal agent memory API.
+
+Why this module exists: the gateway, benchmarks, e2e tests and people with ``curl`` all talk
+to a worker the way they talk to vLLM. This module is the glue between HTTP and an
+``engine_api.Engine``: it validates at the boundary (OpenAI-shaped 400s, never a traceback),
+tokenizes, renders text, counts what is in flight so SIGTERM can drain it, and reports
+readiness only once the engine has started and while it is not draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvpool.worker.engine_api import Engine, EngineError, GenerationRequest, SamplingParams
+from kvpool.worker.generation import Delta, Outcome, generate_text
+from kvpool.worker.memory_api import SESSION_HEADER, SessionStore, build_memory_router, session_of
+from kvpool.worker.metrics import RuntimeMetrics
+from kvpool.worker.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    TokenizeRequest,
+    error_body,
+    new_id,
+    now,
+    usage,
+)
+from kvpool.worker.tokenizer import ChatMessage, TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+GUARDED_PREFIXES = ("/v1/", "/tokenize", "/memory/")
+
+
+class WorkerRuntime:
+    """State shared by the routes, the drain logic and the CLI: engine, readiness, in-flight."""
+
+    def __init__(self, engine: Engine, tokenizer: TextTokenizer, *, session_capacity: int = 4096):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.sessions = SessionStore(session_capacity)
+        self.metrics = RuntimeMetrics(engine.metrics)
+        self.started = False
+        self.draining = False
+        self.start_error: str | None = None
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.started and not self.draining and self.start_error is None
+
+    def _update_ready(self) -> None:
+        self.metrics.ready.set(1 if self.ready else 0)
+
+    async def start_engine(self) -> None:
+        try:
+            await self.engine.start()
+        except Exception as exc:
+            self.start_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("engine %s failed to start", self.engine.model_name)
+            raise
+        self.started = True
+        self._update_ready()
+        logger.info("engine %s started; worker ready", self.engine.model_name)
+
+    def begin_drain(self) -> None:
+        self.draining = True
+        self._update_ready()
+
+    def enter(self) -> None:
+        self.inflight += 1
+        self._idle.clear()
+        self.metrics.inflight.set(self.inflight)
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        self.metrics.inflight.set(self.inflight)
+        if self.inflight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True when nothing is in flight, False if ``timeout_s`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(timeout_s, 0.0))
+        except TimeoutError:
+            return False
+        return True
+
+
+class _GateMiddleware:
+    """Counts in-flight API requests (until their last byte) and refuses them while the
+    engine is starting or draining (503), so SIGTERM can drain exactly what was admitted."""
+
+    def __init__(self, app: ASGIApp, runtime: WorkerRuntime) -> None:
+        self.app = app
+        self.runtime = runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith(GUARDED_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        rt = self.runtime
+        if not rt.ready:
+            state = "draining" if rt.draining else "failed" if rt.start_error else "starting"
+            msg = {
+                "draining": "the worker is shutting down; retry on another instance",
+                "failed": f"the engine failed to start: {rt.start_error}",
+                "starting": "the engine is still starting; retry when /readyz is 200",
+            }[state]
+            body = json.dumps(error_body(msg, code=state, type_="service_unavailable"))
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")],
+                }
+            )
+            await send({"type": "http.response.body", "body": body.encode()})
+            return
+        rt.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            rt.leave()
+
+
+@dataclass
+class _Prepared:
+    request_id: str
+    endpoint: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: list[str]
+    model: str
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
+    """The ASGI app. With ``start_engine`` the engine starts in the background at startup
+    (``/healthz`` answers at once, ``/readyz`` turns 200 when it is up)."""
+    engine = runtime.engine
+    tok = runtime.tokenizer
+    served = engine.model_name
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(runtime.start_engine()) if start_engine else None
+        yield
+        if task is not None and not task.done():
+            task.cancel()
+
+    app = FastAPI(title="kvpool worker", lifespan=lifespan)
+    app.add_middleware(_GateMiddleware, runtime=runtime)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc)), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_body(exc), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(f"{request.method} {request.url.path}: {exc.detail}", type_=kind),
+            status_code=exc.status_code,
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", type_="internal_error"),
+            status_code=500,
+        )
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        if runtime.start_error:
+            return JSONResponse({"status": "failed", "error": runtime.start_error}, 500)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        if runtime.ready:
+            return JSONResponse({"status": "ready", "model": served})
+        state = "draining" if runtime.draining else "failed" if runtime.start_error else "starting"
+        return JSONResponse({"status": state}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": served,
+            "object": "model",
+            "created": now(),
+            "owned_by": "kvpool",
+            "max_model_len": engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    def check_model(model: str | None) -> str:
+        if model is not None and model != served:
+            raise OpenAIError(
+                f"the model {model!r} does not exist on this worker; it serves {served!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return served
+
+    def chat_prompt(messages: list[Any], add_generation_prompt: bool) -> list[int]:
+        try:
+            msgs = [ChatMessage(m.role, m.text()) for m in messages]
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="messages") from exc
+        text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        return tok.encode(text)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        if body.messages is not None:
+            ids = chat_prompt(body.messages, body.add_generation_prompt)
+        else:
+            ids = tok.encode(body.prompt or "")
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    def prepare(
+        endpoint: str,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        stop_ids: tuple[int, ...],
+        session: str | None,
+        prefix: str,
+    ) -> _Prepared:
+        model = check_model(body.model)
+        limit = engine.max_model_len
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        if not prompt_ids:
+            raise OpenAIError("the prompt is empty; send at least one token", param=param)
+        if len(prompt_ids) >= limit:
+            raise OpenAIError(
+                f"this model's maximum context length is {limit} tokens, but the prompt has "
+                f"{len(prompt_ids)} tokens; shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
+        room = limit - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise OpenAIError(
+                f"this model's maximum context length is {limit} tokens, but you requested "
+                f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt, {max_tokens} "
+                f"to generate); lower max_tokens to at most {room}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        extra_ids = tuple(body.stop_token_ids or ())
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop_token_ids=tuple(dict.fromkeys(stop_ids + extra_ids)),
+            ignore_eos=body.ignore_eos,
+        )
+        if session is not None:
+            runtime.sessions.remember(session, prompt_ids)
+        return _Prepared(new_id(prefix), endpoint, prompt_ids, sampling, body.stop_strings(), model)
+
+    async def run(
+        prep: _Prepared, stream: bool, include_usage: bool, chunk: Callable[..., dict[str, Any]]
+    ) -> Response:
+        outcome = Outcome(prompt_tokens=len(prep.prompt_ids))
+        deltas = generate_text(
+            engine,
+            tok,
+            GenerationRequest(prep.request_id, prep.prompt_ids, prep.sampling),
+            prep.stop,
+            outcome,
+            on_first_token=runtime.metrics.ttft.labels(prep.endpoint).observe,
+            on_token=runtime.metrics.token,
+        )
+        created = now()
+        try:
+            first = await anext(deltas)  # an EngineError surfaces here, before any byte
+        except BaseException:
+            await deltas.aclose()
+            raise
+
+        def done() -> None:
+            runtime.metrics.observe(
+                prep.endpoint,
+                prompt_tokens=outcome.prompt_tokens,
+                cached_tokens=outcome.cached_tokens,
+                finish_reason=outcome.finish_reason,
+            )
+
+        def use() -> dict[str, Any]:
+            return usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
+
+        if not stream:
+            parts = [first]
+            try:
+                parts += [d async for d in deltas]
+            finally:
+                done()
+            text = "".join(d.text for d in parts)
+            body = chunk(prep, created, text, outcome.finish_reason, final=True)
+            body["usage"] = use()
+            return JSONResponse(body)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                if chunk is _chat_chunk:  # chat streams open with the assistant role
+                    yield _sse(chunk(prep, created, None, None, opening=True))
+                delta: Delta | None = first
+                while delta is not None:
+                    if delta.text or delta.finish_reason:
+                        yield _sse(chunk(prep, created, delta.text, delta.finish_reason))
+                    delta = await anext(deltas, None)
+                if include_usage:
+                    tail = chunk(prep, created, None, None)
+                    yield _sse({**tail, "choices": [], "usage": use()})
+                yield _sse("[DONE]")
+            finally:
+                await deltas.aclose()
+                done()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        ids = completion_prompt_ids(tok, body.prompt)
+        session = session_of(request.headers.get(SESSION_HEADER), body.user)
+        prep = prepare("completions", body, ids, body.max_tokens, (), session, "cmpl")
+        return await run(prep, body.stream, body.include_usage(), _completion_chunk)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        ids = chat_prompt(body.messages, body.add_generation_prompt)
+        session = session_of(request.headers.get(SESSION_HEADER), body.user)
+        prep = prepare(
+            "chat",
+            body,
+            ids,
+            body.requested_max_tokens(),
+            tok.chat_stop_token_ids(),
+            session,
+            "chatcmpl",
+        )
+        return await run(prep, body.stream, body.include_usage(), _chat_chunk)
+
+    app.include_router(build_memory_router(engine, tok, runtime.sessions))
+    return app
+
+
+def completion_prompt_ids(
+    tok: TextTokenizer, prompt: str | list[int] | list[str] | list[list[int]]
+) -> list[int]:
+    """One prompt: text, token ids, or a batch of exactly one of either."""
+    if isinstance(prompt, str):
+        return tok.encode(prompt)
+    if prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise OpenAIError(
+                "send one prompt per request (batches are not supported)", param="prompt"
+            )
+        return completion_prompt_ids(tok, prompt[0])
+    return [int(t) for t in prompt]  # type: ignore[arg-type]
+
+
+def _completion_chunk(
+    prep: _Prepared,
+    created: int,
+    text: str | None,
+    finish_reason: str | None,
+    *,
+    final: bool = False,
+    opening: bool = False,
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": prep.request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": prep.model,
+        "choices": [choice],
+    }
+
+
+def _chat_chunk(
+    prep: _Prepared,
+    created: int,
+    text: str | None,
+    finish_reason: str | None,
+    *,
+    final: bool = False,
+    opening: bool = False,
+) -> dict[str, Any]:
+    if final:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text or ""},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        delta = {"role": "assistant", "content": ""} if opening else {"content": text or ""}
+        if finish_reason and not text:
+            delta = {}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    return {
+        "id": prep.request_id,
+        "object": obj,
+        "created": created,
+        "model": prep.model,
+        "choices": [choice],
+    }
+
+
+def _validation_body(exc: RequestValidationError) -> dict[str, Any]:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return error_body(
+            f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
+            code="invalid_json",
+        )
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid request"))
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        msg = "the request body must be a JSON object"
+    where = f"{param}: " if param else ""
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return error_body(f"{where}{msg}{more}", param=param, code="invalid_value")
