@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from kvpool.operator.api.common import (
     ApiModel,
@@ -95,6 +95,17 @@ class RemoteTier(ApiModel):
         default="naive", description="remote_serde. Default naive."
     )
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.mooncake) != has(self.redis)",
+                    "message": "set exactly one remote tier (mooncake or redis)",
+                }
+            ]
+        }
+    )
+
 
 class Tiers(ApiModel):
     """Storage tiers below the accelerator: DDR, SSD, remote pool."""
@@ -120,6 +131,17 @@ class Persistence(ApiModel):
         default="full-sync", description="Default full-sync (workers re-send their keys)."
     )
     redis_url: str | None = Field(default=None, description="Required when mode is redis.")
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.mode != 'redis' || has(self.redisUrl)",
+                    "message": "persistence mode redis needs redisUrl",
+                }
+            ]
+        }
+    )
 
 
 class ControllerSpec(ApiModel):
