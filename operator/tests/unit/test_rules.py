@@ -181,8 +181,23 @@ def test_rule5_rejects_cache_policy_without_async_loading() -> None:
     assert _problems(pool(), p2p(cachePolicy="LFU", enableAsyncLoading=True), rule=5) == []
 
 
+def test_rule5_rejects_upstream_p2p_without_async_loading() -> None:
+    plain = {
+        "pullMode": False,
+        "delayPull": False,
+        "useNPU": False,
+        "hostStaging": {"enabled": False},
+    }
+    problem = _one(_problems(pool(), p2p(engine={"platform": "cpu"}, transfer=plain), rule=5))
+    assert problem.path == "P2PGroup/grp: spec.enableAsyncLoading"
+    assert "only finds peer KV through async lookups" in problem.message
+    group = p2p(engine={"platform": "cpu"}, transfer=plain, enableAsyncLoading=True)
+    assert _problems(pool(), group, rule=5) == []
+
+
 def test_rule5_rejects_ascend_options_and_pull_modes_elsewhere() -> None:
     group = p2p(
+        enableAsyncLoading=True,
         engine={"platform": "cuda"},
         transfer={"delayPull": False, "useNPU": False, "hostStaging": {"enabled": False}},
     )
@@ -211,6 +226,7 @@ def test_rule6_rejects_top_level_pull_pending_ttl_override() -> None:
 
 def test_overrides_reject_managed_unknown_and_foreign_keys() -> None:
     group = p2p(
+        enableAsyncLoading=True,
         engine={
             "platform": "cuda",
             "lmcacheOverrides": {

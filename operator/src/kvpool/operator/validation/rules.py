@@ -295,6 +295,16 @@ def rule5_transfer(pool: KVCachePool, members: Members) -> list[Problem]:
                     rule=5,
                 )
             )
+        if platform != "ascend" and not spec.enable_async_loading:
+            out.append(
+                Problem(
+                    where(member, "spec.enableAsyncLoading"),
+                    f"upstream LMCache P2P on {platform} only finds peer KV through async "
+                    "lookups (its synchronous contains() always misses)",
+                    "set enableAsyncLoading: true",
+                    rule=5,
+                )
+            )
         if spec.cache_policy is not None and not spec.enable_async_loading:
             out.append(
                 Problem(
