@@ -11,9 +11,12 @@ same one-at-a-time semantics, keeps submission order, and never blocks process e
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -33,11 +36,26 @@ def _resolve(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -
         fut.set_result(result)
 
 
+_live: weakref.WeakSet[ComputeThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Engines that were never shut down: let their threads leave before the interpreter
+    tears down (bounded, so a hung job cannot hold the exit)."""
+    threads = list(_live)
+    for compute in threads:
+        compute.stop()
+    for compute in threads:
+        compute._thread.join(timeout=2.0)
+
+
 class ComputeThread:
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
+        _live.add(self)
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the compute thread after every earlier job; cancelling the await
@@ -50,6 +68,16 @@ class ComputeThread:
     def stop(self) -> None:
         """Let the thread exit after the jobs already queued."""
         self._jobs.put(None)
+
+    async def join(self, timeout_s: float) -> bool:
+        """Wait (without blocking the loop) up to ``timeout_s`` for the thread to exit after
+        stop(); True if it did. A thread that ran torch ops and is still alive when the
+        interpreter exits can abort the process ("terminate called without an active
+        exception"), so shutdown joins it when it can."""
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        return not self._thread.is_alive()
 
     @property
     def alive(self) -> bool:

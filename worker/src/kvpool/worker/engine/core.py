@@ -214,6 +214,8 @@ class ReferenceEngine:
             except Exception:
                 logger.exception("KV offload close failed")
             self._compute.stop()
+            if not await self._compute.join(max(end - time.monotonic(), 0.0)):
+                logger.warning("engine compute thread still busy at the shutdown deadline")
 
     # --- requests ----------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
