@@ -115,3 +115,21 @@ def test_console_script_runs() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "KVCachePool default/demo" in proc.stdout
+
+
+def test_render_prints_warnings_to_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    the_pool = merge(POOL, {"spec": {"nodeAllocatableMemory": "8Gi"}})
+    assert main(["render", "-f", _write(tmp_path, the_pool, P2P)]) == 0
+    captured = capsys.readouterr()
+    assert "WARNING [rule 7]" in captured.err
+    assert "kind: StatefulSet" in captured.out
+
+
+def test_resource_names_must_be_dns_labels(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = merge(POOL, {"metadata": {"name": "1pool"}})
+    assert main(["validate", "-f", _write(tmp_path, bad)]) == 1
+    assert "metadata.name: String should match pattern" in capsys.readouterr().out

@@ -77,7 +77,10 @@ def cmd_render(files: Sequence[str], fmt: str, out: TextIO, err: TextIO) -> int:
     domains = loaded.domains()
     failed = [str(e) for e in loaded.errors]
     for domain in domains:
-        failed += [str(p) for p in errors(validate_domain(domain.pool, domain.members))]
+        problems = validate_domain(domain.pool, domain.members)
+        failed += [str(p) for p in errors(problems)]
+        for warning in warnings(problems):
+            print(warning, file=err)
     if failed:
         print("\n".join(failed), file=err)
         print("not rendering: fix the errors above (kvpool-operator validate -f ...)", file=err)

@@ -84,7 +84,13 @@ class Placement(ApiModel):
 class ObjectMeta(ApiModel):
     """The part of metav1.ObjectMeta the operator reads."""
 
-    name: str = Field(min_length=1, max_length=40, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    name: str = Field(
+        min_length=1,
+        max_length=40,
+        pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$",
+        description="A DNS-1035 label (it names Services), at most 40 characters so that "
+        "instance names stay within Kubernetes limits.",
+    )
     namespace: str = "default"
     uid: str | None = None
     generation: int | None = None
