@@ -40,6 +40,15 @@ def _to_str(value: object) -> object:
 ResourceValue = Annotated[str, BeforeValidator(_to_str), WithJsonSchema(_RESOURCE_VALUE_SCHEMA)]
 
 
+def cel_rules(*rules: tuple[str, str]) -> ConfigDict:
+    """Model config adding CEL ``x-kubernetes-validations`` (rule, message) to the CRD schema."""
+    return ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]
+        }
+    )
+
+
 class ApiModel(BaseModel):
     """Strict camelCase model: unknown fields are rejected, Python names stay snake_case."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from kvpool.operator.api.common import (
     ApiModel,
@@ -21,6 +21,7 @@ from kvpool.operator.api.common import (
     PoolRef,
     Quantity,
     Resources,
+    cel_rules,
 )
 
 Platform = Literal["ascend", "cuda", "cpu"]
@@ -104,15 +105,8 @@ class P2PTransfer(ApiModel):
         default=0.001, gt=0, description="extra_config.lookup_backoff_time. Default 0.001."
     )
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "!self.delayPull || (self.pullMode && self.useNPU)",
-                    "message": "delayPull needs pullMode and useNPU",
-                }
-            ]
-        }
+    model_config = cel_rules(
+        ("!self.delayPull || (self.pullMode && self.useNPU)", "delayPull needs pullMode and useNPU")
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from kvpool.operator.api.common import (
     ApiModel,
@@ -18,6 +18,7 @@ from kvpool.operator.api.common import (
     Placement,
     Quantity,
     Resources,
+    cel_rules,
 )
 
 KvDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8"]
@@ -95,15 +96,8 @@ class RemoteTier(ApiModel):
         default="naive", description="remote_serde. Default naive."
     )
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "has(self.mooncake) != has(self.redis)",
-                    "message": "set exactly one remote tier (mooncake or redis)",
-                }
-            ]
-        }
+    model_config = cel_rules(
+        ("has(self.mooncake) != has(self.redis)", "set exactly one remote tier (mooncake or redis)")
     )
 
 
@@ -132,15 +126,8 @@ class Persistence(ApiModel):
     )
     redis_url: str | None = Field(default=None, description="Required when mode is redis.")
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.mode != 'redis' || has(self.redisUrl)",
-                    "message": "persistence mode redis needs redisUrl",
-                }
-            ]
-        }
+    model_config = cel_rules(
+        ("self.mode != 'redis' || has(self.redisUrl)", "persistence mode redis needs redisUrl")
     )
 
 
