@@ -1,0 +1,155 @@
+"""kvpool's paged connector behind LMCache's ``GPUConnectorInterface``, for host-memory KV.
+
+Why this module exists: LMCache 0.5.6 has no connector that copies on CPU (its vLLM paged
+connector builds CUDA streams; the mock copies nothing), so the reference engine's paged KV
+reaches LMCache through this one. It is the shape of the NPU connector: the device specifics
+live in ``kvpool.kernels.layouts`` (gather/scatter), not here.
+
+Rules it keeps:
+- KV cache tensors are taken from the call's kwargs every time (``kvcaches``) and never cached:
+  upstream caches pointers per device and a retrieve can then write into the wrong cache.
+- Stored chunks are ``[2, L, T, H*D + G]``: the payload plus the integrity guard
+  (:mod:`.guard`). Every chunk this process filled or verified is trusted (a weak set of the
+  memory objects); any other chunk (read back from disk or a remote tier) is verified before a
+  single byte reaches the paged cache, and the first bad chunk ends the retrieve there.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+from lmcache.v1.memory_management import MemoryObj
+
+from kvpool.kernels.layouts import PagedLayout, chunk_to_paged, paged_to_chunk
+from kvpool.worker.engine.offload import guard
+
+logger = logging.getLogger(__name__)
+
+# kwargs keys kvpool passes through LMCache's store/retrieve down to this connector.
+TOKENS_KW = "kvpool_tokens"
+REPORT_KW = "kvpool_report"
+
+
+@dataclass
+class RetrieveReport:
+    """What one retrieve really wrote into the paged cache (filled in by the connector)."""
+
+    verified_end: int | None = None  # token index where verified chunks stop; None: all good
+    bad_chunk_starts: list[int] = field(default_factory=list)
+    verified_chunks: int = 0  # chunks checked (not trusted on arrival)
+
+
+class CPUPagedConnector(GPUConnectorInterface):  # type: ignore[misc]
+    """Gather/scatter between paged caches ``[2, NB, BS, H, D]`` per layer and LMCache chunks."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        layout: PagedLayout = "flash_nhd",
+    ) -> None:
+        self.num_layers = num_layers
+        self.hidden = num_kv_heads * head_dim
+        self.dtype = dtype
+        self.layout: PagedLayout = layout
+        self.row_width = guard.stored_row_width(self.hidden, dtype)
+        self._trusted: weakref.WeakSet[MemoryObj] = weakref.WeakSet()
+
+    # --- LMCache interface -----------------------------------------------------------------
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([2, self.num_layers, num_tokens, self.row_width])
+
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        kv_caches, slot_mapping, tokens = _store_args(kwargs)
+        chunk = _tensor(memory_obj)
+        paged_to_chunk(
+            kv_caches, slot_mapping[start:end], chunk[..., : self.hidden], layout=self.layout
+        )
+        guard.seal(chunk, self.hidden, tokens[start:end])
+        self._trusted.add(memory_obj)
+
+    def batched_from_gpu(
+        self,
+        memory_objs: Sequence[MemoryObj],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        **kwargs: Any,
+    ) -> None:
+        for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(memory_obj, start, end, **kwargs)
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        self.batched_to_gpu([memory_obj], [start], [end], **kwargs)
+
+    def batched_to_gpu(
+        self,
+        memory_objs: Sequence[MemoryObj] | None = None,
+        starts: Sequence[int] | None = None,
+        ends: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if memory_objs is None or starts is None or ends is None:
+            raise ValueError("CPUPagedConnector is not layerwise: pass memory objects")
+        kv_caches, slot_mapping, tokens = _store_args(kwargs)
+        report = kwargs.get(REPORT_KW)
+        good: list[tuple[torch.Tensor, int, int]] = []
+        # Chunks arrive in token order; verify all before writing any.
+        for memory_obj, start, end in sorted(
+            zip(memory_objs, starts, ends, strict=True), key=lambda x: x[1]
+        ):
+            if not self.check(memory_obj, tokens[start:end], report):
+                if isinstance(report, RetrieveReport):
+                    report.verified_end = start
+                    report.bad_chunk_starts.append(start)
+                break
+            good.append((_tensor(memory_obj), start, end))
+        for chunk, start, end in good:
+            chunk_to_paged(
+                chunk[..., : self.hidden],
+                kv_caches,
+                slot_mapping[start:end],
+                layout=self.layout,
+            )
+
+    # --- integrity --------------------------------------------------------------------------
+    def check(self, memory_obj: MemoryObj, token_ids: Sequence[int], report: object = None) -> bool:
+        """Trusted, or carries a valid guard for ``token_ids`` (then trusted from now on)."""
+        if memory_obj in self._trusted:
+            return True
+        if isinstance(report, RetrieveReport):
+            report.verified_chunks += 1
+        if not guard.verify(_tensor(memory_obj), self.hidden, token_ids):
+            logger.warning(
+                "KV chunk failed its integrity check (%d tokens): treating it as a miss",
+                len(token_ids),
+            )
+            return False
+        self._trusted.add(memory_obj)
+        return True
+
+
+def _tensor(memory_obj: MemoryObj) -> torch.Tensor:
+    t = memory_obj.tensor
+    if t is None:
+        raise ValueError("LMCache memory object has no tensor")
+    assert isinstance(t, torch.Tensor)
+    return t
+
+
+def _store_args(kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
+    try:
+        kv_caches = kwargs["kvcaches"]
+        slot_mapping = kwargs["slot_mapping"]
+        tokens = kwargs[TOKENS_KW]
+    except KeyError as e:
+        raise ValueError(f"CPUPagedConnector needs the {e.args[0]!r} keyword argument") from e
+    return list(kv_caches), slot_mapping, tokens

@@ -1,0 +1,82 @@
+"""The few storage operations LMCache 0.5.6 leaves out: remote removal and write flushing.
+
+Why this module exists: LMCache's ``RemoteBackend.remove`` calls ``remove_sync``, which neither
+its Redis nor its Mooncake connector implements, so evicting a chunk (or dropping one that
+failed its integrity check) would leave it in the shared tier forever. This module removes it
+with the connector's own client (redis-py's ``DELETE`` on LMCache's two keys per chunk,
+Mooncake's ``remove``). ``flush_pending`` waits, bounded, for LMCache's asynchronous disk and
+remote writes before a close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from lmcache.utils import CacheEngineKey
+
+logger = logging.getLogger(__name__)
+
+REMOTE_BACKEND = "RemoteBackend"
+_REMOVE_TIMEOUT_S = 2.0
+
+
+def _connector(storage: Any) -> tuple[Any, Any] | None:
+    backend = storage.storage_backends.get(REMOTE_BACKEND)
+    if backend is None or backend.connection is None:
+        return None
+    if storage.is_backend_bypassed(REMOTE_BACKEND):
+        return None
+    conn = backend.connection
+    return backend, getattr(conn, "_connector", conn)
+
+
+def remote_remove(storage: Any, key: CacheEngineKey) -> bool:
+    """Remove ``key`` from the remote tier; False when absent, unsupported or unreachable."""
+    found = _connector(storage)
+    if found is None:
+        return False
+    backend, conn = found
+    name = key.to_string()
+    try:
+        store = getattr(conn, "store", None)
+        if store is not None and hasattr(store, "remove"):  # Mooncake
+            return bool(store.remove(name) == 0)
+        client = getattr(conn, "connection", None)
+        if client is not None and hasattr(client, "delete"):  # redis.asyncio
+            fut = asyncio.run_coroutine_threadsafe(
+                client.delete(name + "kv_bytes", name + "metadata"), backend.loop
+            )
+            return bool(fut.result(_REMOVE_TIMEOUT_S))
+    except Exception as e:
+        logger.warning("removing chunk %s from the remote tier failed: %s", name, e)
+        return False
+    logger.debug("remote connector %s cannot remove chunks", type(conn).__name__)
+    return False
+
+
+def pending_writes(storage: Any) -> int:
+    """Chunks LMCache has accepted but not yet written to disk or the remote tier."""
+    n = 0
+    disk = storage.storage_backends.get("LocalDiskBackend")
+    if disk is not None:
+        n += len(disk.disk_worker.put_tasks)
+    remote = storage.storage_backends.get(REMOTE_BACKEND)
+    if remote is not None:
+        n += len(remote.put_tasks)
+    return n
+
+
+def flush_pending(storage: Any, budget_s: float) -> bool:
+    """Wait up to ``budget_s`` for pending writes; True when none is left."""
+    deadline = time.monotonic() + budget_s
+    while True:
+        left = pending_writes(storage)
+        if left == 0:
+            return True
+        if time.monotonic() >= deadline:
+            logger.warning("%d chunk writes still pending at close: giving up on them", left)
+            return False
+        time.sleep(0.02)

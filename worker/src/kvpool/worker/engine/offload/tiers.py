@@ -1,0 +1,129 @@
+"""Tier names, tier health and per-tier statistics over LMCache's storage backends.
+
+Why this module exists: kvpool speaks of tiers (``local_cpu``, ``local_disk``, ``redis``,
+``mooncake``) while LMCache names backends (``LocalCPUBackend``, ``LocalDiskBackend``,
+``RemoteBackend``). The agent memory API, the metrics and the benchmark all use kvpool's names.
+A remote tier that stops answering is bypassed through LMCache's own
+``StorageManager.set_backend_bypass`` (with a warning and a counter) and probed again later, so
+requests keep being served from the remaining tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from lmcache.v1.config import LMCacheEngineConfig
+
+logger = logging.getLogger(__name__)
+
+LOCAL_CPU = "local_cpu"
+LOCAL_DISK = "local_disk"
+BACKEND_OF_TIER = {LOCAL_CPU: "LocalCPUBackend", LOCAL_DISK: "LocalDiskBackend"}
+REMOTE_BACKEND = "RemoteBackend"
+_ALIASES = {"cpu": LOCAL_CPU, "ddr": LOCAL_CPU, "disk": LOCAL_DISK, "ssd": LOCAL_DISK}
+
+
+def remote_tier_name(remote_url: str | None) -> str | None:
+    """``redis`` / ``mooncake`` / the URL scheme; None when no remote tier is configured."""
+    if not remote_url:
+        return None
+    scheme = urlparse(remote_url).scheme
+    if scheme in ("redis", "rediss", "valkey", "resp"):
+        return "redis"
+    if scheme.startswith("mooncake"):
+        return "mooncake"
+    return scheme or "remote"
+
+
+def configured_tiers(config: LMCacheEngineConfig) -> list[str]:
+    """The tiers of this config, fastest first (LMCache's backend order)."""
+    tiers = [LOCAL_CPU]
+    if config.local_disk:
+        tiers.append(LOCAL_DISK)
+    remote = remote_tier_name(config.remote_url)
+    if remote is not None:
+        tiers.append(remote)
+    return tiers
+
+
+def backend_for(tier: str, tiers: Iterable[str]) -> str:
+    """LMCache backend name for a kvpool tier name (aliases allowed); ValueError if unknown."""
+    name = _ALIASES.get(tier, tier)
+    known = list(tiers)
+    if name not in known and name != "remote":
+        raise ValueError(
+            f"locations: unknown tier {tier!r}; this worker has tiers {known} "
+            "(aliases: cpu/ddr, disk/ssd, remote)"
+        )
+    return BACKEND_OF_TIER.get(name, REMOTE_BACKEND)
+
+
+def tier_of_backend(backend: str, tiers: Iterable[str]) -> str:
+    for tier, name in BACKEND_OF_TIER.items():
+        if name == backend:
+            return tier
+    remote = [t for t in tiers if t not in BACKEND_OF_TIER]
+    return remote[0] if remote else backend
+
+
+def remote_probe_address(config: LMCacheEngineConfig) -> tuple[str, int] | None:
+    """host:port to probe for the remote tier: the Redis URL, or Mooncake's master."""
+    url = config.remote_url
+    if not url:
+        return None
+    if url.startswith("mooncake"):
+        extra = config.extra_config or {}
+        master = extra.get("master_server_address") or extra.get("mooncake_master_server_address")
+        if not master:
+            return None
+        host, _, port = str(master).rpartition(":")
+        return host or "127.0.0.1", int(port)
+    parsed = urlparse(url)
+    if parsed.hostname is None or parsed.port is None:
+        return None
+    return parsed.hostname, parsed.port
+
+
+@dataclass
+class RemoteHealth:
+    """Probe the remote tier with a TCP connect at most every ``interval_s``."""
+
+    tier: str
+    address: tuple[str, int]
+    interval_s: float = 2.0
+    timeout_s: float = 0.25
+    up: bool = True
+    errors: int = 0
+    _last: float = float("-inf")
+
+    def refresh(self, now: float | None = None) -> bool | None:
+        """Probe when due. Returns the new state when it changed, else None."""
+        now = time.monotonic() if now is None else now
+        if now - self._last < self.interval_s:
+            return None
+        self._last = now
+        try:
+            with socket.create_connection(self.address, timeout=self.timeout_s):
+                ok = True
+        except OSError as e:
+            ok = False
+            if self.up:
+                logger.warning(
+                    "tier %s at %s:%d is unreachable (%s): skipping it until it answers",
+                    self.tier,
+                    *self.address,
+                    e,
+                )
+        if not ok:
+            self.errors += 1
+        if ok == self.up:
+            return None
+        self.up = ok
+        if ok:
+            logger.warning("tier %s at %s:%d answers again: using it", self.tier, *self.address)
+        return ok
