@@ -13,6 +13,15 @@ from kvpool.kernels.blend.model import attend, causal_mask
 from kvpool.kernels.blend.synthetic import TinyModelSpec, build_hf_model
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # type: ignore[no-untyped-def]
+    """Tiny matrices on a shared 2-core box: extra intra-op threads only spin (30x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_full_prefill_matches_transformers_forward(family: str) -> None:
     model = build_hf_model(TinyModelSpec(family=family, layers=3, seed=11))  # type: ignore[arg-type]
