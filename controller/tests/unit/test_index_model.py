@@ -171,15 +171,16 @@ TestIndexMatchesReference = IndexMatchesReference.TestCase
 
 
 class CompactingIndexMatchesReference(IndexMatchesReference):
-    """The same, with key logs compacted at every chance (no slack), so compaction is exercised."""
+    """The same with no slack anywhere: key logs compacted at every chance and the memo tables
+    dropped at nearly every insert, so those paths are exercised too."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.saved_slack = index_module._LOG_SLACK
-        index_module._LOG_SLACK = 0
+        self.saved = (index_module._LOG_SLACK, index_module._MEMO_LIMIT)
+        index_module._LOG_SLACK, index_module._MEMO_LIMIT = 0, 2
 
     def teardown(self) -> None:
-        index_module._LOG_SLACK = self.saved_slack
+        index_module._LOG_SLACK, index_module._MEMO_LIMIT = self.saved
 
 
 TestCompactingIndexMatchesReference = CompactingIndexMatchesReference.TestCase
