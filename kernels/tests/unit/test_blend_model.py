@@ -10,16 +10,13 @@ import torch
 
 from kvpool.kernels.blend import DecoderWeights, MaskKind, full_prefill, logits
 from kvpool.kernels.blend.model import attend, causal_mask
-from kvpool.kernels.blend.synthetic import TinyModelSpec, build_hf_model
+from kvpool.kernels.blend.synthetic import TinyModelSpec, build_hf_model, single_thread
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():  # type: ignore[no-untyped-def]
-    """Tiny matrices on a shared 2-core box: extra intra-op threads only spin (30x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with single_thread():
+        yield
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -26,18 +26,21 @@ from kvpool.kernels.blend import (
     rerope,
 )
 from kvpool.kernels.blend.select import deviation
-from kvpool.kernels.blend.synthetic import TinyModelSpec, build_hf_model, quality, rag_prompt
+from kvpool.kernels.blend.synthetic import (
+    TinyModelSpec,
+    build_hf_model,
+    quality,
+    rag_prompt,
+    single_thread,
+)
 
 RAG = {"n_chunks": 4, "chunk_len": 32, "sys_len": 8, "question_len": 8}
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():  # type: ignore[no-untyped-def]
-    """Tiny matrices on a shared 2-core box: extra intra-op threads only spin (30x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ at a different position in the request; the question is never cached.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,7 +23,28 @@ import torch
 from kvpool.kernels.blend.blend import CachedSegment
 from kvpool.kernels.blend.model import DecoderWeights, KVCache, full_prefill, logits
 
-__all__ = ["RagPrompt", "TinyModelSpec", "build_hf_model", "quality", "rag_prompt"]
+__all__ = [
+    "RagPrompt",
+    "TinyModelSpec",
+    "build_hf_model",
+    "quality",
+    "rag_prompt",
+    "single_thread",
+]
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """Run tiny tensor work on one intra-op thread, restoring the setting afterwards.
+
+    On a shared 2-core box a second thread only spins for these small matrices (~30x slower).
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)
