@@ -311,6 +311,8 @@ def pd_config(
             }
         )
         if platform == "ascend":
+            # LMCache-Ascend's sender binds its Done socket on pd_peer_host (seed manual §4.2).
+            cfg["pd_peer_host"] = names.instance_pod_host(inst.name, ns)
             cfg["pd_pull_mode"] = pull
             cfg["pd_delay_pull"] = delay
             cfg["pd_use_cpu_offload"] = transfer.mode == "cpu-offload-pull-delay"

@@ -36,7 +36,7 @@ def worker_env(pool: KVCachePool, engine: EngineSpec, inst: InstancePorts) -> li
     ]
     if inst.role == "p2p":
         out.append(k8s.field_env("LMCACHE_P2P_HOST", "status.podIP"))
-    elif inst.role == "decode":
+    elif inst.role == "decode" or engine.platform == "ascend":
         out.append(k8s.field_env("LMCACHE_PD_PEER_HOST", "status.podIP"))
     return out
 
