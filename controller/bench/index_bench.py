@@ -15,8 +15,11 @@ novel suffix, 20 % system prompt + novel suffix.
 
 The two P2P lookups answer different questions: LMCache's takes the first other instance that
 holds the first chunk and counts its consecutive hits (often a short shared system prompt);
-ours scans for the longest prefix per same-rank peer. ``p2p_mean_hit_chunks`` reports what the
-best returned peer is worth, so the latency ratio is read next to it.
+ours scans for the longest prefix per same-rank peer. ``index_p2p_mean_hit_chunks`` reports
+what the best returned peer is worth, so the latency ratio is read next to it.
+
+Metric keys: ours unprefixed (``index_`` where the controller's service benchmark has a
+metric of the same name), LMCache's prefixed ``lmcache_``.
 
 Each side runs in its own subprocess so its RSS growth is its own memory (LMCache's side also
 holds its last window of wire bytes, a few MB). Ingest is timed from the msgpack wire bytes of
@@ -207,9 +210,9 @@ def _query_metrics(
     asked = [(q,) for q in queries]
     out = _time_each("lookup", lookup, asked)
     out |= _time_each("lookup_full_hit", lookup, asked[::10])  # every 10th: a prompt held in full
-    out |= _time_each("p2p_lookup", p2p, p2p_queries)
+    out |= _time_each("index_p2p_lookup", p2p, p2p_queries)
     # what the answers are worth: chunks the best peer returned would let the requester skip
-    out["p2p_mean_hit_chunks"] = statistics.fmean(_best_hit(p2p(*q)) for q in p2p_queries)
+    out["index_p2p_mean_hit_chunks"] = statistics.fmean(_best_hit(p2p(*q)) for q in p2p_queries)
     return out
 
 
@@ -368,7 +371,8 @@ def run(quick: bool) -> dict[str, Any]:
     ratios = {
         "lookup_speedup_vs_lmcache": peer["lookup_p50_ms"] / ours["lookup_p50_ms"],
         "lookup_p99_speedup_vs_lmcache": peer["lookup_p99_ms"] / ours["lookup_p99_ms"],
-        "p2p_lookup_speedup_vs_lmcache": peer["p2p_lookup_p50_ms"] / ours["p2p_lookup_p50_ms"],
+        "index_p2p_lookup_speedup_vs_lmcache": peer["index_p2p_lookup_p50_ms"]
+        / ours["index_p2p_lookup_p50_ms"],
         "ingest_wire_vs_lmcache": ours["ingest_wire_events_per_s"]
         / peer["ingest_wire_events_per_s"],
         "memory_vs_lmcache": ours["bytes_per_chunk_location"] / peer["bytes_per_chunk_location"],
@@ -378,9 +382,9 @@ def run(quick: bool) -> dict[str, Any]:
         ("lookup p50 (ms)", "lookup_p50_ms"),
         ("lookup p99 (ms)", "lookup_p99_ms"),
         ("lookup, prompt held in full, p99 (ms)", "lookup_full_hit_p99_ms"),
-        ("p2p lookup p50 (ms)", "p2p_lookup_p50_ms"),
-        ("p2p lookup p99 (ms)", "p2p_lookup_p99_ms"),
-        ("p2p: chunks the best peer returned, mean", "p2p_mean_hit_chunks"),
+        ("p2p lookup p50 (ms)", "index_p2p_lookup_p50_ms"),
+        ("p2p lookup p99 (ms)", "index_p2p_lookup_p99_ms"),
+        ("p2p: chunks the best peer returned, mean", "index_p2p_mean_hit_chunks"),
         ("lookup p99, wall clock (ms)", "lookup_wall_p99_ms"),
         ("ingest from wire bytes (events/s)", "ingest_wire_events_per_s"),
         ("bytes per chunk-location (RSS)", "bytes_per_chunk_location"),
