@@ -213,6 +213,6 @@ def test_all_problems_are_reported_at_once() -> None:
     env = _env(LMCACHE_TRACK_USAGE="true", VLLM_WORKER_MULTIPROC_METHOD=None)
     problems = _check(env, model="other")
     text = format_problems(problems)
-    assert text.startswith(f"kvpool-worker refuses to start: {len(problems)} problem(s)")
+    assert text.startswith(f"refusing to start: {len(problems)} problem(s)")
     for name in ["LMCACHE_TRACK_USAGE", "VLLM_WORKER_MULTIPROC_METHOD", "lmcache_instance_id"]:
         assert name in text

@@ -294,6 +294,6 @@ def check_contract(
 
 
 def format_problems(problems: list[Problem]) -> str:
-    lines = [f"kvpool-worker refuses to start: {len(problems)} problem(s)"]
+    lines = [f"refusing to start: {len(problems)} problem(s)"]
     lines += [f"  - {p}" for p in problems]
     return "\n".join(lines)
