@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import overload
+from typing import Any, overload
 
 import pytest
 
@@ -225,3 +225,14 @@ def test_key_log_compaction_keeps_exactly_the_live_keys() -> None:
     assert sorted(ix.worker_keys("a", 0, CPU)) == sorted(keys[:50])
     assert ix.remove_worker("a", 0) == 50
     assert len(ix) == 0
+
+
+def test_keys_that_are_not_int64_stay_consistent() -> None:
+    """The protocol layer validates types; the index still never loses track of a key."""
+    ix = ChunkIndex()
+    odd: list[Any] = [2**64 + 1, -(2**70), "not-a-hash", 5]
+    assert ix.admit("a", 0, CPU, odd) == 4
+    assert sorted(map(str, ix.worker_keys("a", 0, CPU))) == sorted(map(str, odd))
+    assert ix.prefix_hits(odd)["a"].hit_chunks == 4
+    assert ix.remove_worker("a", 0) == 4
+    assert len(ix) == 0 and ix.stats()["chunks"] == 0

@@ -110,18 +110,18 @@ class _Slot:
         self.bit = bit
         self.count = 0
         self.log = array("q")
-        self.big: list[int] = []  # keys that do not fit in int64
+        self.big: list[int] = []  # keys that do not fit in int64 (or are not ints at all)
 
     def append(self, keys: list[int]) -> None:
         size = len(self.log)
         try:
             self.log.extend(keys)
-        except OverflowError:
+        except (OverflowError, TypeError):
             del self.log[size:]
             for key in keys:
                 try:
                     self.log.append(key)
-                except OverflowError:
+                except (OverflowError, TypeError):
                     self.big.append(key)
 
     def logged(self) -> Iterable[int]:
