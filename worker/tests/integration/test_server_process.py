@@ -91,6 +91,13 @@ def serve_args(port: int, *extra: str) -> list[str]:
     ]
 
 
+def metric(client: httpx.Client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
 def data_lines(lines: list[str]) -> list[str]:
     return [ln[len("data: ") :] for ln in lines if ln.startswith("data: ")]
 
@@ -119,6 +126,16 @@ def test_streams_chat_and_drains_on_sigterm(launch: list[subprocess.Popen[str]])
         chunks = [json.loads(p) for p in payloads[:-1]]
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
         assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+        # A client that goes away mid-stream: the engine aborts its request (frees its KV).
+        long = {"prompt": "An endless tale", "max_tokens": 500, "temperature": 0, "stream": True}
+        with client.stream("POST", "/v1/completions", json=long) as resp:
+            next(ln for ln in resp.iter_lines() if ln.startswith("data: "))
+        end = time.monotonic() + 30
+        while metric(client, "kvpool_engine_requests_aborted_total") < 1:
+            assert time.monotonic() < end, "the abandoned request was never aborted"
+            time.sleep(0.2)
+        assert metric(client, "kvpool_engine_requests_running") == 0
 
         # SIGTERM while a request streams: it completes, newcomers are turned away.
         req = {"prompt": "The long story", "max_tokens": 12, "temperature": 0, "stream": True}

@@ -349,7 +349,13 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
                 while delta is not None:
                     if delta.text or delta.finish_reason:
                         yield _sse(chunk(prep, created, delta.text, delta.finish_reason))
-                    delta = await anext(deltas, None)
+                    try:
+                        delta = await anext(deltas, None)
+                    except Exception as exc:  # headers are sent: report in the stream
+                        logger.exception("request %s failed mid-stream", prep.request_id)
+                        msg = f"generation failed: {exc}"
+                        yield _sse(error_body(msg, type_="internal_error"))
+                        break
                 if include_usage:
                     tail = chunk(prep, created, None, None)
                     yield _sse({**tail, "choices": [], "usage": use()})
