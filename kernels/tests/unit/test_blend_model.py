@@ -86,3 +86,16 @@ def test_bottom_right_mask_is_exact_only_for_a_contiguous_tail() -> None:
     exact = causal_mask(sel, pos, MaskKind.EXACT)
     assert exact.sum(1).tolist() == [2, 6, 10]
     assert causal_mask(sel, pos, MaskKind.BOTTOM_RIGHT).sum(1).tolist() == [8, 9, 10]
+
+
+def test_attend_blocked_exact_mask_equals_full_causal_rows() -> None:
+    """Over 256 selected queries, attention runs in blocks that cut the invisible keys."""
+    g = torch.Generator().manual_seed(1)
+    n = 700
+    q = torch.randn(n, 4, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(n, 2, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(n, 2, 16, generator=g, dtype=torch.float64)
+    pos = torch.arange(n) + 3
+    sel = torch.sort(torch.randperm(n, generator=g)[:300]).values
+    full = attend(q, k, v, pos, pos)
+    torch.testing.assert_close(attend(q[sel], k, v, pos[sel], pos), full[sel], rtol=0, atol=1e-12)

@@ -23,6 +23,7 @@ from kvpool.kernels.blend import (
     blend_prefill,
     full_prefill,
     load_segments,
+    reposition_keys,
     rerope,
 )
 from kvpool.kernels.blend.select import deviation
@@ -237,6 +238,12 @@ def test_bad_segments_and_configs_are_rejected(w64: DecoderWeights) -> None:
     short = KVCache(seg.kv.k[:2], seg.kv.v[:2], seg.kv.positions)
     with pytest.raises(ValueError, match="this model needs"):
         load_segments(w64, p.tokens, [CachedSegment(seg.start, seg.tokens, short)])
+    raw = load_segments(w64, p.tokens, p.segments, reposition=False)
+    with pytest.raises(ValueError, match="reposition_keys"):
+        blend_forward(w64, p.tokens, raw, BlendConfig.single(0.1))
+    assert torch.equal(
+        reposition_keys(w64, raw).kv.k, load_segments(w64, p.tokens, p.segments).kv.k
+    )
     with pytest.raises(ValueError, match="does not exist"):
         blend_prefill(w64, p.tokens, p.segments, BlendConfig.single(0.1, check_layer=4))
     with pytest.raises(ValueError, match="strictly increase"):

@@ -14,6 +14,7 @@ from kvpool.kernels.blend.blend import (
     blend_forward,
     blend_prefill,
     load_segments,
+    reposition_keys,
 )
 from kvpool.kernels.blend.model import (
     DecoderWeights,
@@ -45,6 +46,7 @@ __all__ = [
     "full_prefill",
     "load_segments",
     "logits",
+    "reposition_keys",
     "rerope",
     "rerope_two_step",
 ]

@@ -48,6 +48,7 @@ __all__ = [
     "blend_forward",
     "blend_prefill",
     "load_segments",
+    "reposition_keys",
 ]
 
 
@@ -113,10 +114,19 @@ class CachedSegment:
 
 @dataclass(frozen=True)
 class LoadedCache:
-    """The request's KV buffer at the *new* positions and which rows a segment covered."""
+    """The request's KV buffer and which rows a segment covered.
+
+    ``kv.positions`` are the request's (new) positions; ``rotated_at[N]`` are the positions the
+    rows of ``kv.k`` are currently rotated at (equal to ``kv.positions`` once repositioned).
+    """
 
     kv: KVCache
     covered: torch.Tensor  # bool [N]
+    rotated_at: torch.Tensor
+
+    @property
+    def repositioned(self) -> bool:
+        return bool(torch.equal(self.rotated_at, self.kv.positions))
 
 
 @dataclass(frozen=True)
@@ -172,9 +182,15 @@ def load_segments(
         v[:, seg.start : end] = seg.kv.v
         old_pos[seg.start : end] = seg.kv.positions
         covered[seg.start : end] = True
-    if reposition:
-        k = rerope(k, old_pos, new_pos, w.rope)
-    return LoadedCache(kv=KVCache(k, v, new_pos), covered=covered)
+    loaded = LoadedCache(kv=KVCache(k, v, new_pos), covered=covered, rotated_at=old_pos)
+    return reposition_keys(w, loaded) if reposition else loaded
+
+
+def reposition_keys(w: DecoderWeights, loaded: LoadedCache) -> LoadedCache:
+    """Re-rotate the loaded K from the cached positions to the request's (fused delta form)."""
+    kv = loaded.kv
+    k = rerope(kv.k, loaded.rotated_at, kv.positions, w.rope)
+    return LoadedCache(KVCache(k, kv.v, kv.positions), loaded.covered, kv.positions)
 
 
 def blend_forward(
@@ -192,6 +208,8 @@ def blend_forward(
     n = int(tokens.shape[0])
     if loaded.kv.n_tokens != n:
         raise ValueError(f"loaded cache has {loaded.kv.n_tokens} tokens, the prompt has {n}")
+    if not loaded.repositioned:
+        raise ValueError("loaded cache K is still at the cached positions: call reposition_keys")
     last = cfg.checks[-1].layer
     if last >= w.n_layers:
         raise ValueError(

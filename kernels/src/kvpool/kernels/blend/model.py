@@ -40,6 +40,9 @@ __all__ = [
 ]
 
 
+_QUERY_BLOCK = 256  # selected queries per attention call when the keys can be cut per block
+
+
 class MaskKind(StrEnum):
     """Which causal mask :func:`attend` applies for a subset of queries."""
 
@@ -239,6 +242,21 @@ def attend(
     gqa = n_heads != k.shape[1]
     if n_q == k.shape[0] and torch.equal(q_pos, k_pos):
         out = nnf.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
+    elif mask is MaskKind.EXACT and n_q > _QUERY_BLOCK and bool((k_pos[1:] > k_pos[:-1]).all()):
+        # blocks of queries, each over only the keys its last query can see: skips most of the
+        # masked-out upper triangle, as a causal kernel would
+        ends = torch.searchsorted(k_pos, q_pos, right=True).tolist()
+        parts = []
+        for lo in range(0, n_q, _QUERY_BLOCK):
+            hi = min(lo + _QUERY_BLOCK, n_q)
+            n_k = max(ends[lo:hi])
+            m = causal_mask(q_pos[lo:hi], k_pos[:n_k], mask)
+            parts.append(
+                nnf.scaled_dot_product_attention(
+                    qh[:, :, lo:hi], kh[:, :, :n_k], vh[:, :, :n_k], attn_mask=m, enable_gqa=gqa
+                )
+            )
+        out = torch.cat(parts, dim=2)
     else:
         m = causal_mask(q_pos, k_pos, mask)
         out = nnf.scaled_dot_product_attention(qh, kh, vh, attn_mask=m, enable_gqa=gqa)
