@@ -144,3 +144,14 @@ def test_rejects_bad_containers() -> None:
     struct.pack_into("<I", huge, 16, 65536)  # channels
     with pytest.raises(CacheGenError, match="max_elements"):
         decode(_recrc(bytes(huge)))
+
+
+def test_lmcache_has_no_serde_registry() -> None:
+    """Why there is no LMCache serde adapter: 0.5.6's CreateSerde is a closed if/elif.
+
+    If a later LMCache accepts other names, this fails and the adapter becomes possible.
+    """
+    from lmcache.v1.storage_backend.naive_serde import CreateSerde
+
+    with pytest.raises(ValueError, match="Invalid type"):
+        CreateSerde("kvpool_cachegen", None, None)  # type: ignore[arg-type]

@@ -219,3 +219,20 @@ def test_pac_rejects_unencodable_and_corrupt() -> None:
     overfull = np.full((1, 31), 1, np.uint8)
     with pytest.raises(pac.CacheGenError, match="Kraft"):
         pac.code_tables(overfull)
+
+
+def test_pac_stream_is_the_concatenated_fixed_codes() -> None:
+    """Pins the bit layout: codes MSB-first, back to back, zero-padded to a whole byte."""
+    rng = np.random.default_rng(8)
+    sym = _laplace(rng, (2, 37))
+    lens = pac.code_lengths(count_symbols(sym[:, :, None], 31).reshape(2, 31))
+    low, _, _ = pac.code_tables(lens)
+    payload, lengths = pac.encode_streams(sym, lens)
+    bits = ""
+    for g in range(2):
+        stream = "".join(
+            format(int(low[g, s]) >> (8 - int(lens[g, s])), f"0{int(lens[g, s])}b") for s in sym[g]
+        )
+        bits += stream + "0" * (-len(stream) % 8)
+    assert lengths.sum() * 8 == len(bits)
+    assert bytes(payload) == int(bits, 2).to_bytes(len(bits) // 8, "big")
