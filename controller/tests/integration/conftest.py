@@ -122,15 +122,14 @@ def controllers(tmp_path: Path) -> Iterator[Any]:
         c.kill()
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[dict[str, Any]]:
+def start_redis(port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    """Debian's redis-server on 127.0.0.1:port without persistence; waits until it answers."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-    port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path)],
+         "--dir", str(workdir)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -141,10 +140,17 @@ def redis_server(tmp_path: Path) -> Iterator[dict[str, Any]]:
         return False
 
     wait_until(ping, 10.0, what="redis-server")
-    info = {"url": f"redis://127.0.0.1:{port}/0", "port": port, "proc": proc}
+    return proc
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    port = free_port()
+    info: dict[str, Any] = {"url": f"redis://127.0.0.1:{port}/0", "port": port, "dir": tmp_path}
+    info["proc"] = start_redis(port, tmp_path)
     yield info
-    proc.kill()
-    proc.wait(10)
+    info["proc"].kill()
+    info["proc"].wait(10)
 
 
 @pytest.fixture

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import msgspec
 import redis
 import zmq
-from conftest import wait_until
+from conftest import start_redis, wait_until
 from lmcache.v1.cache_controller import message as lm
 
 KEYS = [11, 12, 13, 14, 15]
@@ -69,8 +70,6 @@ def _push(ctx: zmq.Context[Any], port: int, *msgs: Any) -> None:
 def test_redis_outage_keeps_serving_counts_errors_and_rewrites_on_return(
     controllers: Any, redis_server: dict[str, Any]
 ) -> None:
-    import subprocess
-
     ctl = controllers("--redis-url", redis_server["url"], "--redis-namespace", "o")
     ctx: zmq.Context[Any] = zmq.Context()
     ops = [lm.KVOpEvent(op_type=lm.OpType.ADMIT, key=k, seq_num=i) for i, k in enumerate(KEYS)]
@@ -92,15 +91,9 @@ def test_redis_outage_keeps_serving_counts_errors_and_rewrites_on_return(
         lambda: ctl.metric("kvpool_controller_persistence_errors_total") >= 1, what="errors counted"
     )
     assert ctl.post("/v1/prefix_lookup", {"hashes": KEYS})["instances"]["i"]["hit_chunks"] == 5
-    import httpx
-
     assert httpx.get(f"{ctl.url}/readyz").json()["redis"] == "unavailable"
     # Redis comes back empty on the same port: the controller rewrites the whole index
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(redis_server["port"]), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    redis_server["proc"] = proc  # the fixture kills it
+    redis_server["proc"] = start_redis(redis_server["port"], redis_server["dir"])
     r = redis.Redis(port=redis_server["port"])
     wait_until(
         lambda: _scard(r, "o:keys:i\x1f0\x1fL") == 5, timeout=15, what="rewrite after the outage"
