@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvpool.worker.contract import DomainFacts, domain_fingerprint
+
 CLI = [sys.executable, "-m", "kvpool.worker.cli"]
 READY_TIMEOUT_S = 120
 
@@ -102,16 +104,43 @@ def data_lines(lines: list[str]) -> list[str]:
     return [ln[len("data: ") :] for ln in lines if ln.startswith("data: ")]
 
 
-def test_streams_chat_and_drains_on_sigterm(launch: list[subprocess.Popen[str]]) -> None:
+def lmcache_domain(tmp_path: Path) -> dict[str, str]:
+    """A consistent cache domain for the default reference model: config, env, fingerprint."""
+    facts = DomainFacts(16, 256, "builtin", "42", "float32", "kvpool/reference-tiny")
+    fp = domain_fingerprint(facts)
+    config = tmp_path / "lmcache.yaml"
+    config.write_text(
+        f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 0.5\n"
+        f"lmcache_instance_id: ref-0~{fp}\n"
+    )
+    return contract_env(tmp_path, LMCACHE_CONFIG_FILE=str(config), KVPOOL_DOMAIN_FINGERPRINT=fp)
+
+
+def test_streams_chat_and_drains_on_sigterm(
+    launch: list[subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    """The whole worker: contract checked, LMCache (local CPU) built from the rendered config,
+    KV reused over HTTP, a streamed chat, an abandoned stream aborted, SIGTERM drained."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start(
         launch,
         [*CLI, *serve_args(port, "--drain-timeout", "60", "--shutdown-deadline", "90")],
-        base_env(),
+        lmcache_domain(tmp_path),
     )
     wait_ready(proc, url)
     with httpx.Client(base_url=url, timeout=60) as client:
+        # The same ~300-token prompt twice: the second prefill loads a chunk from LMCache.
+        prompt = {
+            "prompt": "The old river keeps its stones. " * 45,
+            "max_tokens": 3,
+            "temperature": 0,
+        }
+        miss, hit = (client.post("/v1/completions", json=prompt).json() for _ in range(2))
+        assert miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+        assert hit["choices"][0]["text"] == miss["choices"][0]["text"]
+
         # A streamed chat completion end to end over HTTP.
         chat = {
             "messages": [{"role": "user", "content": "Hello, who keeps the old river?"}],
@@ -138,22 +167,30 @@ def test_streams_chat_and_drains_on_sigterm(launch: list[subprocess.Popen[str]])
         assert metric(client, "kvpool_engine_requests_running") == 0
 
         # SIGTERM while a request streams: it completes, newcomers are turned away.
-        req = {"prompt": "The long story", "max_tokens": 12, "temperature": 0, "stream": True}
+        # 150 tokens (EOS ignored) keep it in flight well past the checks below.
+        req = {
+            "prompt": "The long story",
+            "max_tokens": 150,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         with client.stream("POST", "/v1/completions", json=req) as resp:
             lines = resp.iter_lines()
             first = next(ln for ln in lines if ln.startswith("data: "))
             proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
-            time.sleep(0.3)
             with httpx.Client(base_url=url, timeout=10) as other:
-                assert other.get("/readyz").json() == {"status": "draining"}
+                while other.get("/readyz").json() != {"status": "draining"}:
+                    assert time.monotonic() - signalled < 10, "readiness never turned false"
+                    time.sleep(0.02)
                 refused = other.post("/v1/completions", json={"prompt": "x"})
                 assert refused.status_code == 503
                 assert refused.json()["error"]["code"] == "draining"
             rest = data_lines(list(lines))
     assert rest[-1] == "[DONE]"
     events = [json.loads(p) for p in [first[len("data: ") :], *rest[:-1]]]
-    assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert events[-1]["choices"][0]["finish_reason"] == "length"  # drained to the end
     assert proc.wait(timeout=60) == 0
     assert time.monotonic() - signalled < 90
     out = proc.stdout.read() if proc.stdout else ""
