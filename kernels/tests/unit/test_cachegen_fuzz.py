@@ -82,6 +82,41 @@ def test_header_fields(which: int, field: int, val: int) -> None:
     _check(_recrc(bytes(data)))
 
 
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    layers=st.integers(1, 3),
+    tokens=st.integers(1, 40),
+    channels=st.integers(1, 9),
+    bins=st.lists(st.integers(4, 64), min_size=6, max_size=6),
+    coder=st.sampled_from(["ac", "pac"]),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    subchunk=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+)
+def test_roundtrip_any_shape(
+    layers: int,
+    tokens: int,
+    channels: int,
+    bins: list[int],
+    coder: str,
+    dtype: torch.dtype,
+    subchunk: int,
+    seed: int,
+) -> None:
+    """Round trip within the quantizer's bound for arbitrary small shapes and parameters."""
+    g = torch.Generator().manual_seed(seed)
+    kv = (torch.randn(2, layers, tokens, channels, generator=g) * 3).to(dtype)
+    kb, vb = bins[:layers], bins[3 : 3 + layers]
+    blob = encode(kv, coder=coder, key_bins=kb, value_bins=vb, subchunk=subchunk)  # type: ignore[arg-type]
+    out = decode(blob)
+    assert out.shape == kv.shape and out.dtype == kv.dtype
+    half = torch.tensor([b // 2 - 1 for b in kb + vb], dtype=torch.float32)
+    xf = kv.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True)
+    bound = scale / (2 * half.view(2, layers, 1, 1)) + 2.0**-7 * (xf.abs() + scale) + 1e-6
+    assert bool(((xf - out.float()).abs() <= bound).all())
+
+
 def test_metadata_recompressed_with_garbage() -> None:
     """Valid framing and zlib, nonsense tables: histograms that do not add up, bad lengths."""
     for blob in _blobs():
