@@ -2,7 +2,9 @@
 
 Pure tensor code (no I/O) on whatever device the tensors live on: :mod:`.rope` re-rotates
 cached K, :mod:`.select` scores and picks rows, :mod:`.model` is the decoder math shared by full
-prefill and blending, :mod:`.blend` is the blend prefill itself.
+prefill and blending, :mod:`.blend` is the blend prefill itself, :mod:`.segment` splits a
+request into independently cached segments, and :mod:`.synthetic` builds the random-weight
+model and RAG prompts that the tests and the benchmark share.
 """
 
 from kvpool.kernels.blend.blend import (
@@ -25,6 +27,7 @@ from kvpool.kernels.blend.model import (
     logits,
 )
 from kvpool.kernels.blend.rope import RopeConfig, RopeStyle, apply_rope, rerope, rerope_two_step
+from kvpool.kernels.blend.segment import Segment, segment_key, split_segments
 from kvpool.kernels.blend.select import Selector
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "PrefillResult",
     "RopeConfig",
     "RopeStyle",
+    "Segment",
     "Selector",
     "apply_rope",
     "blend_forward",
@@ -49,4 +53,6 @@ __all__ = [
     "reposition_keys",
     "rerope",
     "rerope_two_step",
+    "segment_key",
+    "split_segments",
 ]
