@@ -271,20 +271,21 @@ def decode_streams(
     cdf: npt.NDArray[np.integer],
     ntokens: int,
     sub: int = 256,
-    channels: int = 1,
+    channels: int | None = None,
 ) -> npt.NDArray[np.uint8]:
     """Inverse of :func:`encode_streams`.
 
-    Returns ``[streams, ntokens]`` (``channels == 1``) or ``[layers, ntokens, channels]``.
+    Returns ``[streams, ntokens]``, or ``[layers, ntokens, channels]`` when ``channels`` is given.
     The decoder never reads outside a stream (bytes past its end read as zeros, as in
     LMCache), and always stops after ``ntokens`` symbols.
     """
     nstreams = cdf.shape[0]
-    if channels < 1 or nstreams % channels:
-        raise CacheGenError(f"{nstreams} streams do not split into {channels} channels")
+    nc = 1 if channels is None else channels
+    if nc < 1 or nstreams % nc:
+        raise CacheGenError(f"{nstreams} streams do not split into {nc} channels")
     nsub = (ntokens + sub - 1) // sub
     offsets = stream_offsets(lengths, nsub, nstreams, payload.shape[0])
-    out = np.empty((nstreams // channels, ntokens, channels), dtype=np.uint8)
+    out = np.empty((nstreams // nc, ntokens, nc), dtype=np.uint8)
     table, steps = padded_cdf(cdf)
     _decode(payload, offsets, table, steps, sub, out)
-    return out[:, :, 0] if channels == 1 else out
+    return out[:, :, 0] if channels is None else out

@@ -154,7 +154,6 @@ def decode(
         sym = pac.decode_streams(
             parts.payload, lengths, lens.reshape(nl2 * nc, lp - 1), nt, h.subchunk, nc
         )
-    sym = sym.reshape(nl2, nt, nc)  # decode_streams drops the channel axis when nc == 1
     top = np.asarray(levels, dtype=np.int64)
     if bool((sym.max(axis=(1, 2)) >= top).any()):
         raise CacheGenError("payload decodes to symbols outside the quantizer's range")

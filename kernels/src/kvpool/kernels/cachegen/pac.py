@@ -258,22 +258,23 @@ def decode_streams(
     lens: npt.NDArray[np.uint8],
     ntokens: int,
     sub: int = 256,
-    channels: int = 1,
+    channels: int | None = None,
 ) -> npt.NDArray[np.uint8]:
     """Inverse of :func:`encode_streams`; raises :class:`CacheGenError` on a corrupt stream.
 
-    Returns ``[streams, ntokens]`` (``channels == 1``) or ``[layers, ntokens, channels]``.
+    Returns ``[streams, ntokens]``, or ``[layers, ntokens, channels]`` when ``channels`` is given.
     """
     _, dsym, dlen = code_tables(lens)
     nstreams = lens.shape[0]
-    if channels < 1 or nstreams % channels:
-        raise CacheGenError(f"{nstreams} streams do not split into {channels} channels")
+    nc = 1 if channels is None else channels
+    if nc < 1 or nstreams % nc:
+        raise CacheGenError(f"{nstreams} streams do not split into {nc} channels")
     nsub = (ntokens + sub - 1) // sub
     offsets = stream_offsets(lengths, nsub, nstreams, payload.shape[0])
-    out = np.empty((nstreams // channels, ntokens, channels), dtype=np.uint8)
+    out = np.empty((nstreams // nc, ntokens, nc), dtype=np.uint8)
     bad = _decode(payload, offsets, dsym, dlen, sub, out)
     if bad >= 0:
         raise CacheGenError(
             f"PAC stream {bad % nstreams} of sub-chunk {bad // nstreams} is corrupt"
         )
-    return out[:, :, 0] if channels == 1 else out
+    return out[:, :, 0] if channels is None else out
