@@ -78,7 +78,7 @@ def test_chunked_prefill_and_decode_equal_full_recompute(model: PagedModel) -> N
     model.forward([SeqChunk(ids[:37], 0, table, want_logits=False)], caches)  # ends mid-block
     logits = model.forward([SeqChunk(ids[37:90], 37, table)], caches)
     torch.testing.assert_close(logits[0], hf_logits(model, ids[:90])[-1], atol=1e-4, rtol=1e-4)
-    for pos in range(90, 100):  # decode one token at a time against the paged cache
+    for pos in range(90, 95):  # decode one token at a time against the paged cache
         step = model.forward([SeqChunk([ids[pos]], pos, table)], caches)
         ref = hf_logits(model, ids[: pos + 1])[-1]
         torch.testing.assert_close(step[0], ref, atol=1e-4, rtol=1e-4)
