@@ -252,3 +252,14 @@ def test_bad_segments_and_configs_are_rejected(w64: DecoderWeights) -> None:
         BlendConfig(checks=(CheckStep(1, 0.2), CheckStep(2, 0.3)))
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
         BlendConfig.single(1.5)
+
+
+def test_request_positions_need_not_start_at_zero(w64: DecoderWeights) -> None:
+    """A blend placed after 1000 earlier tokens: queries and keys use absolute positions (LMCache
+    starts its blend positions at 0 whatever the request's first position is)."""
+    tokens, segs, _ = _exact_cache_prompt(w64)
+    pos = torch.arange(1000, 1000 + tokens.shape[0])
+    full = full_prefill(w64, tokens, pos)
+    res = blend_prefill(w64, tokens, segs, BlendConfig.single(0.2), positions=pos)
+    torch.testing.assert_close(res.hidden, full.hidden[res.selected], rtol=0, atol=1e-9)
+    torch.testing.assert_close(res.kv.k, full.kv.k, rtol=0, atol=1e-9)
