@@ -293,6 +293,11 @@ def test_vllm_command_for_a_consistent_domain_and_refusal_otherwise(tmp_path: Pa
     assert other.returncode == 2
     assert "KVPOOL_DOMAIN_FINGERPRINT" in other.stderr and "lmcache_instance_id" in other.stderr
     assert "Traceback" not in other.stderr
+    # TP 2 on a pod that was given one NPU: refused before vLLM could hang on it.
+    few = run_cli(
+        [*serve, "--tensor-parallel-size", "2"], {**env, "ASCEND_RT_VISIBLE_DEVICES": "0"}
+    )
+    assert few.returncode == 2 and "ASCEND_RT_VISIBLE_DEVICES" in few.stderr
 
 
 def test_invalid_flag_value_is_refused(tmp_path: Path) -> None:

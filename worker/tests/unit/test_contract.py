@@ -11,6 +11,7 @@ from kvpool.worker.contract import (
     DomainFacts,
     Problem,
     check_contract,
+    check_devices,
     domain_fingerprint,
     format_problems,
 )
@@ -216,3 +217,24 @@ def test_all_problems_are_reported_at_once() -> None:
     assert text.startswith(f"refusing to start: {len(problems)} problem(s)")
     for name in ["LMCACHE_TRACK_USAGE", "VLLM_WORKER_MULTIPROC_METHOD", "lmcache_instance_id"]:
         assert name in text
+
+
+@pytest.mark.parametrize(
+    ("platform", "env", "tp", "bad"),
+    [
+        ("ascend", {"ASCEND_RT_VISIBLE_DEVICES": "0,1"}, 2, False),
+        ("ascend", {"ASCEND_RT_VISIBLE_DEVICES": "0"}, 2, True),
+        ("ascend", {"ASCEND_RT_VISIBLE_DEVICES": "3,3"}, 2, True),  # one device, listed twice
+        ("ascend", {}, 8, False),  # unset: every device is visible, nothing to check
+        ("cuda", {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 4, False),
+        ("cuda", {"CUDA_VISIBLE_DEVICES": "0,1"}, 4, True),
+        ("cuda", {"ASCEND_RT_VISIBLE_DEVICES": "0"}, 4, False),  # the other platform's variable
+    ],
+)
+def test_visible_devices_cover_the_tp_size(
+    platform: str, env: dict[str, str], tp: int, bad: bool
+) -> None:
+    problems = check_devices(env, platform=platform, tensor_parallel_size=tp)
+    assert bool(problems) == bad
+    if bad:
+        assert str(tp) in problems[0].message and "devices" in problems[0].fix

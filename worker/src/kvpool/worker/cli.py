@@ -34,6 +34,7 @@ from kvpool.worker.contract import (
     DomainFacts,
     Problem,
     check_contract,
+    check_devices,
     domain_fingerprint,
     format_problems,
     parse_lmcache_config,
@@ -128,7 +129,9 @@ def read_config(env: Mapping[str, str]) -> tuple[str | None, str | None]:
         return None, exc.strerror or str(exc)
 
 
-def enforce_contract(settings: WorkerSettings, env: Mapping[str, str]) -> dict[str, Any]:
+def enforce_contract(
+    settings: WorkerSettings, env: Mapping[str, str], *, devices: bool = False
+) -> dict[str, Any]:
     """Check DESIGN.md rules 1 and 9; return the parsed LMCache config or refuse."""
     text, error = read_config(env)
     problems: list[Problem] = check_contract(
@@ -139,6 +142,10 @@ def enforce_contract(settings: WorkerSettings, env: Mapping[str, str]) -> dict[s
         block_size=settings.block_size,
         kv_dtype=settings.kv_dtype,
     )
+    if devices:
+        problems += check_devices(
+            env, platform=settings.platform, tensor_parallel_size=settings.tensor_parallel_size
+        )
     if problems:
         raise StartRefusedError(format_problems(problems))
     config, _ = parse_lmcache_config(text or "")
@@ -146,7 +153,7 @@ def enforce_contract(settings: WorkerSettings, env: Mapping[str, str]) -> dict[s
 
 
 def run_vllm(args: argparse.Namespace, settings: WorkerSettings, env: Mapping[str, str]) -> int:
-    config = enforce_contract(settings, env)
+    config = enforce_contract(settings, env, devices=True)
     launch = VllmLaunch(
         model=settings.model_dir or settings.model,
         served_model_name=settings.model,

@@ -293,6 +293,29 @@ def check_contract(
     return problems
 
 
+def check_devices(
+    env: Mapping[str, str], *, platform: str, tensor_parallel_size: int
+) -> list[Problem]:
+    """Rule 9: the accelerators visible to the pod cover the TP size (when the device plugin
+    says which ones it allocated; an unset variable means all devices and is not checked)."""
+    var = "ASCEND_RT_VISIBLE_DEVICES" if platform == "ascend" else "CUDA_VISIBLE_DEVICES"
+    value = env.get(var, "").strip()
+    if not value:
+        return []
+    devices = [d.strip() for d in value.split(",") if d.strip()]
+    if len(set(devices)) < tensor_parallel_size:
+        return [
+            Problem(
+                var,
+                f"makes {len(set(devices))} device(s) visible ({value!r}) but the tensor "
+                f"parallel size is {tensor_parallel_size}",
+                f"request at least {tensor_parallel_size} devices for the pod, or lower "
+                "--tensor-parallel-size",
+            )
+        ]
+    return []
+
+
 def format_problems(problems: list[Problem]) -> str:
     lines = [f"refusing to start: {len(problems)} problem(s)"]
     lines += [f"  - {p}" for p in problems]
