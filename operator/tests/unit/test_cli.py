@@ -133,3 +133,23 @@ def test_resource_names_must_be_dns_labels(
     bad = merge(POOL, {"metadata": {"name": "1pool"}})
     assert main(["validate", "-f", _write(tmp_path, bad)]) == 1
     assert "metadata.name: String should match pattern" in capsys.readouterr().out
+
+
+def test_the_invalid_example_fails_with_every_documented_rule(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """examples/invalid/p2p-mistakes.yaml is what README shows; keep it failing for its reasons."""
+    path = EXAMPLES / "invalid" / "p2p-mistakes.yaml"
+    assert main(["validate", "-f", str(path)]) == 1
+    out = capsys.readouterr().out
+    for rule, field in [
+        ("rule 4", "spec.tiers.disk"),
+        ("rule 5", "spec.transfer.delayPull"),
+        ("rule 5", "spec.transfer.hostStaging.enabled"),
+        ("rule 7", "spec.transfer.hostStaging.bytes"),
+        ("rule 9", "spec.engine.acceleratorCount"),
+    ]:
+        assert f"ERROR [{rule}]" in out
+        assert field in out
+    assert "=> 5 error(s)" in out
+    assert "Traceback" not in out
