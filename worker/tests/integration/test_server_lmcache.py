@@ -104,3 +104,10 @@ async def test_memory_api_evicts_a_session_for_real(client: httpx.AsyncClient) -
     assert evicted["evicted_chunks"] >= 1
     again = await complete(client, "s3")
     assert cached(again) == 0  # the KV really left the cache
+
+
+async def test_evicting_from_an_unknown_tier_is_a_400(client: httpx.AsyncClient) -> None:
+    resp = await client.post("/memory/evict", json={"text": PROMPT, "tiers": ["tape"]})
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["param"] == "tiers" and "unknown tier 'tape'" in err["message"]

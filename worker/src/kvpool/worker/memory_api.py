@@ -136,13 +136,15 @@ def build_memory_router(
 
     @router.post("/evict")
     async def evict(body: EvictRequest) -> dict[str, Any]:
-        if body.chunk_hashes is not None:
-            n = await engine.evict(chunk_hashes=body.chunk_hashes, locations=body.tiers)
-        else:
-            tokens = tokens_of(body)
-            n = await engine.evict(token_ids=tokens, locations=body.tiers)
-            if body.session_id is not None:
-                sessions.forget(body.session_id)
+        tokens = None if body.chunk_hashes is not None else tokens_of(body)
+        try:
+            n = await engine.evict(
+                token_ids=tokens, chunk_hashes=body.chunk_hashes, locations=body.tiers
+            )
+        except ValueError as exc:  # e.g. a tier this worker does not have
+            raise OpenAIError(str(exc), param="tiers" if body.tiers else None) from exc
+        if body.session_id is not None:
+            sessions.forget(body.session_id)
         logger.info("memory evict %s from %s: %d chunks", body._given(), body.tiers or "all", n)
         return {"evicted_chunks": n, "tiers": body.tiers}
 
