@@ -100,7 +100,7 @@ class RuntimeMetrics:
         r = self.registry
         self.ttft = Histogram(
             "kvpool_worker_ttft_seconds",
-            "Time from request receipt to the first generated token",
+            "Time from handing the request to the engine to its first generated token",
             ["endpoint"],
             buckets=TTFT_BUCKETS,
             registry=r,

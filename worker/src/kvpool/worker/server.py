@@ -335,6 +335,7 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
             try:
                 parts += [d async for d in deltas]
             finally:
+                await deltas.aclose()  # a cancelled request (client gone) aborts in the engine
                 done()
             text = "".join(d.text for d in parts)
             body = chunk(prep, created, text, outcome.finish_reason, final=True)
