@@ -10,6 +10,7 @@ token's logits must match its forward within fp tolerance, and the hit must be r
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -19,7 +20,12 @@ import pytest
 import torch
 
 from kvpool.worker.engine import ReferenceEngine
-from kvpool.worker.engine_api import GenerationRequest, ReferenceEngineOptions, SamplingParams
+from kvpool.worker.engine_api import (
+    EngineError,
+    GenerationRequest,
+    ReferenceEngineOptions,
+    SamplingParams,
+)
 
 OPTS = ReferenceEngineOptions(num_kv_blocks=128, block_size=16, max_model_len=1024)
 CHUNK = 64
@@ -152,3 +158,25 @@ async def test_mooncake_hit_from_a_second_engine(
     first = await engines(config, logits)
     second = await engines(config, logits)
     await check_hit(first, second, logits, seed=9)
+
+
+async def test_engine_builds_lmcache_from_its_options(tmp_path: Path) -> None:
+    """``lmcache_config_file`` alone (no offload passed in): the engine builds LMCache for
+    its own KV shape; a missing file is a clear EngineError at start."""
+    config = tmp_path / "lmcache.yaml"
+    config.write_text(f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: 0.1\n")
+    opts = dataclasses.replace(OPTS, lmcache_config_file=str(config), lmcache_instance_id="t-own")
+    engine = ReferenceEngine(opts)
+    await engine.start()
+    try:
+        ids = prompt(130, seed=11)
+        first, _ = await run(engine, "a", ids)
+        await engine.flush()
+        again, cached = await run(engine, "b", ids)
+        assert (again, cached) == (first, 128)
+        assert engine.memory_stats()
+    finally:
+        await engine.shutdown(1.5)
+    missing = dataclasses.replace(OPTS, lmcache_config_file=str(tmp_path / "nope.yaml"))
+    with pytest.raises(EngineError, match=r"nope\.yaml"):
+        await ReferenceEngine(missing).start()

@@ -192,13 +192,13 @@ async def test_preemption_when_out_of_blocks_keeps_results() -> None:
         prompts = [prompt(40, seed=20 + i) for i in range(6)]
         together = await asyncio.gather(
             *(
-                collect(small, f"p{i}", p, max_tokens=20, ignore_eos=True)
+                collect(small, f"p{i}", p, max_tokens=12, ignore_eos=True)
                 for i, p in enumerate(prompts)
             )
         )
         assert small.metrics()["preemptions_total"] > 0
         for i, p in enumerate(prompts):
-            alone = await collect(small, f"q{i}", p, max_tokens=20, ignore_eos=True)
+            alone = await collect(small, f"q{i}", p, max_tokens=12, ignore_eos=True)
             assert [e.token_id for e in together[i]] == [e.token_id for e in alone]
         assert small.num_free_blocks == 12
     finally:
@@ -240,3 +240,22 @@ async def test_memory_api_without_offload_is_empty(engine: ReferenceEngine) -> N
     assert await engine.pin([1]) == 0
     assert await engine.unpin([1]) == 0
     assert engine.memory_stats() == {}
+
+
+async def test_a_failing_step_fails_its_streams_and_the_engine_keeps_serving() -> None:
+    broken = {"on": True}
+
+    def observer(rid: str, index: int, row: torch.Tensor) -> None:
+        if broken["on"]:
+            raise ValueError("observer bug")
+
+    eng = ReferenceEngine(OPTS, logits_observer=observer)
+    await eng.start()
+    try:
+        with pytest.raises(RuntimeError, match="observer bug"):
+            await collect(eng, "x", prompt(10), max_tokens=3)
+        assert eng.num_free_blocks == OPTS.num_kv_blocks
+        broken["on"] = False
+        assert len(await collect(eng, "y", prompt(10), max_tokens=3, ignore_eos=True)) == 3
+    finally:
+        await eng.shutdown(2.0)

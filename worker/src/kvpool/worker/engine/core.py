@@ -21,7 +21,8 @@ import torch
 
 from kvpool.worker.engine.blocks import BlockManager
 from kvpool.worker.engine.compute import ComputeThread
-from kvpool.worker.engine.model import ModelShape, PagedModel, load_hf_model
+from kvpool.worker.engine.factory import build
+from kvpool.worker.engine.model import PagedModel
 from kvpool.worker.engine.runner import ModelRunner, StepOutput
 from kvpool.worker.engine.sampling import make_generator, validate_sampling
 from kvpool.worker.engine.scheduler import Scheduler
@@ -102,7 +103,11 @@ class ReferenceEngine:
     async def start(self) -> None:
         if self._runner is not None:
             return
-        self._runner = await self._compute.run(self._build)
+        try:
+            self._runner = await self._compute.run(self._build)
+        except BaseException:
+            self._compute.stop()  # nothing to serve: let the compute thread go
+            raise
         self._accepting = True
         self._loop_task = asyncio.create_task(self._step_loop(), name="kvpool-engine-steps")
         logger.info(
@@ -114,43 +119,12 @@ class ReferenceEngine:
         )
 
     def _build(self) -> ModelRunner:
-        hf_model, config = load_hf_model(self.options, **self._model_overrides)
-        model = PagedModel(hf_model, config)
-        self._model = model
-        self._vocab_size = model.shape.vocab_size
-        if self.options.model_dir is not None:
-            eos = getattr(config, "eos_token_id", None)
-            extra = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
-            self._eos_ids = frozenset({self.options.eos_token_id, *extra})
-        caches = model.allocate_kv_caches(self.options.num_kv_blocks, self.options.block_size)
-        if self.offload is None and self.options.lmcache_config_file is not None:
-            self.offload = self._build_lmcache(model.shape)
-        return ModelRunner(model, caches, self.options.block_size, self.offload)
-
-    def _build_lmcache(self, shape: ModelShape) -> KVOffload:
-        """The real LMCache offload from ``options.lmcache_config_file`` (imported lazily:
-        an engine without LMCache never loads it)."""
-        from kvpool.worker.engine.offload import (  # noqa: PLC0415 (lazy: heavy import)
-            LMCacheOffload,
-            OffloadConfigError,
-        )
-
-        opts = self.options
-        try:
-            offload = LMCacheOffload(
-                opts.lmcache_config_file or "",
-                instance_id=opts.lmcache_instance_id,
-                num_layers=shape.num_layers,
-                num_kv_heads=shape.num_kv_heads,
-                head_dim=shape.head_dim,
-                block_size=opts.block_size,
-                dtype=shape.dtype,
-                model_name=opts.model_name,
-            )
-        except OffloadConfigError as exc:
-            raise EngineError(f"lmcache_config_file {opts.lmcache_config_file!r}: {exc}") from exc
-        logger.info("reference engine %s offloads KV through LMCache", self.model_name)
-        return offload
+        built = build(self.options, self.offload, self._model_overrides)
+        self._model = built.model
+        self._vocab_size = built.model.shape.vocab_size
+        self._eos_ids = built.eos_ids
+        self.offload = built.runner.offload
+        return built.runner
 
     @property
     def model(self) -> PagedModel:
@@ -291,41 +265,52 @@ class ReferenceEngine:
     async def _step_loop(self) -> None:
         runner = self._require_runner()
         while True:
-            self._reap_aborted()
-            if self._stopping and not self._scheduler.has_work():
-                return
-            if not self._scheduler.has_work():
-                if runner.has_pending_stores:
-                    await self._compute.run(runner.flush_stores)
-                    continue
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            plan = self._scheduler.schedule()
-            for seq in plan.out_of_blocks:
-                self._finish(seq, "length")
-            if plan.preempted:
-                logger.info(
-                    "out of KV blocks: preempted %s (recomputed later)",
-                    ", ".join(s.request_id for s in plan.preempted),
-                )
-            if not plan.items:
-                self._wakeup.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), 0.05)
-                continue
-            self._step_in_flight = True
             try:
-                outputs = await self._compute.run(functools.partial(runner.execute, plan.items))
-            except Exception as exc:
-                logger.exception("engine step failed; failing its %d requests", len(plan.items))
-                for item in plan.items:
-                    self._fail(item.seq, exc)
-                continue
-            finally:
-                self._step_in_flight = False
-            for out in outputs:
-                self._apply(out)
+                if await self._iteration(runner):
+                    return
+            except Exception as exc:  # a bookkeeping bug must not hang every stream
+                logger.exception("engine step loop failed; failing all in-flight requests")
+                for seq in list(self._seqs.values()):
+                    self._fail(seq, exc)
+
+    async def _iteration(self, runner: ModelRunner) -> bool:
+        """One schedule → compute → apply round; True when the loop should end."""
+        self._reap_aborted()
+        if self._stopping and not self._scheduler.has_work():
+            return True
+        if not self._scheduler.has_work():
+            if runner.has_pending_stores:
+                await self._compute.run(runner.flush_stores)
+                return False
+            self._wakeup.clear()
+            await self._wakeup.wait()
+            return False
+        plan = self._scheduler.schedule()
+        for seq in plan.out_of_blocks:
+            self._finish(seq, "length")
+        if plan.preempted:
+            logger.info(
+                "out of KV blocks: preempted %s (recomputed later)",
+                ", ".join(s.request_id for s in plan.preempted),
+            )
+        if not plan.items:
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), 0.05)
+            return False
+        self._step_in_flight = True
+        try:
+            outputs = await self._compute.run(functools.partial(runner.execute, plan.items))
+        except Exception as exc:
+            logger.exception("engine step failed; failing its %d requests", len(plan.items))
+            for item in plan.items:
+                self._fail(item.seq, exc)
+            return False
+        finally:
+            self._step_in_flight = False
+        for out in outputs:
+            self._apply(out)
+        return False
 
     def _apply(self, out: StepOutput) -> None:
         seq = out.seq
@@ -408,7 +393,11 @@ class ReferenceEngine:
     def _fail(self, seq: Seq, exc: BaseException) -> None:
         if seq.finished:
             return
-        self._scheduler.finish(seq, "abort")
+        try:
+            self._scheduler.finish(seq, "abort")
+        except Exception:
+            logger.exception("could not free the blocks of request %s", seq.request_id)
+            seq.status = seq.status.FINISHED
         self._seqs.pop(seq.request_id, None)
         seq.events.put_nowait(RuntimeError(f"engine step failed: {exc}"))
         seq.done.set()
