@@ -85,6 +85,19 @@ def test_session_store_is_a_bounded_lru() -> None:
     assert store.get("a") is None
 
 
+def test_session_store_is_bounded_by_tokens_too() -> None:
+    store = SessionStore(capacity=100, max_tokens=10)
+    store.remember("a", [1] * 4)
+    store.remember("b", [2] * 4)
+    assert store.tokens == 8
+    store.remember("c", [3] * 4)  # 12 > 10: the oldest session goes
+    assert store.get("a") is None and store.tokens == 8 and len(store) == 2
+    store.remember("huge", list(range(50)))  # alone over the budget: kept, others dropped
+    assert len(store) == 1 and store.get("huge") == tuple(range(50))
+    store.forget("huge")
+    assert store.tokens == 0
+
+
 def test_session_header_wins_over_user() -> None:
     assert session_of("hdr", "usr") == "hdr"
     assert session_of(None, "usr") == "usr"

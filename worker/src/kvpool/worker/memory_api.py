@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -31,35 +32,54 @@ logger = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"
 MAX_SESSION_ID = 256
+DEFAULT_SESSION_TOKENS = 16_000_000  # 64 MB of token ids at most
 _SELECTORS = ("session_id", "token_ids", "text", "messages", "chunk_hashes")
 
 
 class SessionStore:
-    """session id → prompt tokens of its latest request, least recently used evicted first."""
+    """session id → prompt tokens of its latest request, least recently used evicted first.
 
-    def __init__(self, capacity: int) -> None:
+    Bounded twice: by the number of sessions and by the tokens held (4 bytes each), so a
+    worker with many long agent sessions keeps at most ``max_tokens * 4`` bytes here.
+    """
+
+    def __init__(self, capacity: int, max_tokens: int = DEFAULT_SESSION_TOKENS) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self.max_tokens = max_tokens
+        self._items: OrderedDict[str, array[int]] = OrderedDict()
+        self._tokens = 0
         self._lock = threading.Lock()
 
     def remember(self, session_id: str, token_ids: Sequence[int]) -> None:
+        tokens = array("i", token_ids)
         with self._lock:
-            self._items[session_id] = tuple(token_ids)
-            self._items.move_to_end(session_id)
-            while len(self._items) > self.capacity:
-                dropped, _ = self._items.popitem(last=False)
-                logger.debug("session %s forgotten (LRU, capacity %d)", dropped, self.capacity)
+            old = self._items.pop(session_id, None)
+            self._tokens -= len(old) if old is not None else 0
+            self._items[session_id] = tokens
+            self._tokens += len(tokens)
+            while len(self._items) > self.capacity or (
+                self._tokens > self.max_tokens and len(self._items) > 1
+            ):
+                dropped, held = self._items.popitem(last=False)
+                self._tokens -= len(held)
+                logger.debug("session %s forgotten (LRU)", dropped)
 
     def get(self, session_id: str) -> tuple[int, ...] | None:
         with self._lock:
             tokens = self._items.get(session_id)
-            if tokens is not None:
-                self._items.move_to_end(session_id)
-            return tokens
+            if tokens is None:
+                return None
+            self._items.move_to_end(session_id)
+            return tuple(tokens)
 
     def forget(self, session_id: str) -> None:
         with self._lock:
-            self._items.pop(session_id, None)
+            old = self._items.pop(session_id, None)
+            self._tokens -= len(old) if old is not None else 0
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
 
     def __len__(self) -> int:
         return len(self._items)
