@@ -159,9 +159,8 @@ def run(quick: bool) -> dict[str, Any]:
     }
     ratios["blend_full_prefill_vs_hf_forward"] = full / hf
     peers = {
-        "full_prefill": "kvpool.kernels.blend.full_prefill (same decoder code, every row)",
-        "transformers_forward": transformers.__version__,
-        "torch": torch.__version__,
+        "blend_full_prefill": "kvpool.kernels.blend.full_prefill (same decoder code, every row)",
+        "blend_transformers_forward": f"transformers {transformers.__version__}",
     }
     return {
         "metrics": metrics,
