@@ -1,0 +1,685 @@
+"""Run a cache domain, exactly as the operator renders it, as local processes (no cluster).
+
+Why this module exists: the operator's render is the contract between kvpool's components
+(the controller's and the workers' command lines, their environment, the LMCache YAML each
+worker mounts). Unit tests of each side cannot show that the two halves of that contract
+fit. This launcher takes the rendered objects, changes only what a cluster would provide
+and a laptop does not, and starts the controller and worker processes on 127.0.0.1:
+
+- Service and pod DNS names → ``127.0.0.1``; bind address ``0.0.0.0`` → ``127.0.0.1``;
+- container ports → free local ports (one map for the whole domain, so every reference to a
+  port, in flags, JSON flags, env and LMCache YAML, moves together);
+- ConfigMap mounts → temporary files, and the env that points at them;
+- ``valueFrom: fieldRef status.podIP`` → ``127.0.0.1``; ``resources.requests.cpu`` →
+  ``OMP_NUM_THREADS`` (what the pod's CPU share would do to torch).
+
+``check_rewrite`` then diffs the rendered and the local form independently of the rewrite
+code and refuses any change that is not one of those. Anything else a test needs to change
+is a named :class:`Deviation` (a known gap in a component, see ``KNOWN_GAPS``), applied only
+when the caller allows it and recorded in :attr:`LocalStack.deviations`.
+
+Processes run in their own process group with logs in files; readiness is polled with a
+bounded timeout on the rendered readiness probe; ``LocalStack.close`` (also on failure)
+sends SIGTERM to every group, then SIGKILL after a grace period. This module is the core of
+the future ``make demo``; it lives with the e2e tests until then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from kvpool.operator.loader import load_text
+from kvpool.operator.render import render_domain
+from kvpool.operator.validation import errors, validate_domain
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+BIND_ANY = "0.0.0.0"
+Obj = dict[str, Any]
+_ADDR = re.compile(
+    r"^(?P<scheme>[a-z][a-z0-9+.-]*://)?(?P<host>[^/:\s]+)(?::(?P<port>\d+))?(?P<rest>/.*)?$"
+)
+_HOST_WORDS = ("host", "url", "address", "server")
+
+
+class StackError(RuntimeError):
+    """The domain cannot be run locally; the message says why and what to look at."""
+
+
+# --------------------------------------------------------------------------- render + extract
+def render_file(path: str | os.PathLike[str]) -> list[Obj]:
+    """The operator's objects for every domain in ``path`` (validated first, like the CLI)."""
+    loaded = load_text(Path(path).read_text(encoding="utf-8"), str(path))
+    if loaded.errors:
+        raise StackError("; ".join(str(e) for e in loaded.errors))
+    objects: list[Obj] = []
+    for domain in loaded.domains():
+        problems = errors(validate_domain(domain.pool, domain.members))
+        if problems:
+            raise StackError("; ".join(str(p) for p in problems))
+        objects += render_domain(domain.pool, domain.members)
+    return objects
+
+
+@dataclass
+class Workload:
+    """One container of a rendered Deployment or StatefulSet, as the pod would run it."""
+
+    name: str
+    component: str
+    argv: list[str]
+    env: dict[str, str]
+    field_env: dict[str, str]  # env name -> fieldRef fieldPath (filled by the kubelet)
+    ports: dict[str, int]  # container port name -> number
+    files: dict[str, str]  # mounted path -> content (ConfigMap items)
+    readiness: tuple[str, int] | None  # HTTP GET path, port
+    cpu: str | None = None
+
+
+def _by_kind(objects: Sequence[Obj], kind: str) -> list[Obj]:
+    return [o for o in objects if o.get("kind") == kind]
+
+
+def workloads(objects: Sequence[Obj]) -> dict[str, Workload]:
+    """Every Deployment/StatefulSet (first container) keyed by name."""
+    configmaps = {o["metadata"]["name"]: o.get("data", {}) for o in _by_kind(objects, "ConfigMap")}
+    out: dict[str, Workload] = {}
+    for obj in _by_kind(objects, "Deployment") + _by_kind(objects, "StatefulSet"):
+        pod = obj["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        env: dict[str, str] = {}
+        field_env: dict[str, str] = {}
+        for item in container.get("env", []):
+            if "value" in item:
+                env[item["name"]] = str(item["value"])
+            else:
+                ref = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+                if ref is None:
+                    raise StackError(f"{obj['metadata']['name']}: env {item['name']}: unsupported")
+                field_env[item["name"]] = ref
+        files: dict[str, str] = {}
+        for mount in container.get("volumeMounts", []):
+            source = volumes.get(mount["name"], {}).get("configMap")
+            if source is None:
+                continue
+            data = configmaps[source["name"]]
+            items = source.get("items") or [{"key": k, "path": k} for k in sorted(data)]
+            for it in items:
+                files[f"{mount['mountPath'].rstrip('/')}/{it['path']}"] = data[it["key"]]
+        probe = container.get("readinessProbe", {}).get("httpGet")
+        name = obj["metadata"]["name"]
+        out[name] = Workload(
+            name=name,
+            component=obj["metadata"]["labels"].get("kvpool.io/component", "?"),
+            argv=[str(a) for a in container["command"] + container.get("args", [])],
+            env=env,
+            field_env=field_env,
+            ports={p["name"]: int(p["containerPort"]) for p in container.get("ports", [])},
+            files=files,
+            readiness=(probe["path"], int(probe["port"])) if probe else None,
+            cpu=container.get("resources", {}).get("requests", {}).get("cpu"),
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- the cluster map
+@dataclass(frozen=True)
+class ClusterMap:
+    """What the cluster provides: DNS names, Service port → container port, and our ports."""
+
+    hosts: frozenset[str]
+    service_ports: Mapping[tuple[str, int], int]  # (dns host, service port) -> container port
+    ports: Mapping[int, int]  # container port -> local port
+
+
+def free_port() -> int:
+    """A TCP port the OS just handed out on 127.0.0.1 (tests run concurrently: never fixed)."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def cluster_map(objects: Sequence[Obj], allocate: Callable[[], int] = free_port) -> ClusterMap:
+    """DNS names of every Service (and StatefulSet pod), and a local port per container port."""
+    loads = workloads(objects)
+    pods = {
+        o["metadata"]["name"]: o
+        for o in _by_kind(objects, "Deployment") + _by_kind(objects, "StatefulSet")
+    }
+    container_ports: dict[int, str] = {}
+    for w in loads.values():
+        for number in w.ports.values():
+            if number in container_ports:
+                raise StackError(
+                    f"container port {number} is used by {container_ports[number]} and {w.name}; "
+                    "the local stack needs distinct ports across the domain"
+                )
+            container_ports[number] = w.name
+    local: dict[int, int] = {}
+    while len(local) < len(container_ports):
+        port = allocate()
+        if port not in local.values():
+            local[sorted(set(container_ports) - set(local))[0]] = port
+    hosts: set[str] = set()
+    service_ports: dict[tuple[str, int], int] = {}
+    for svc in _by_kind(objects, "Service"):
+        meta, spec = svc["metadata"], svc["spec"]
+        selector = spec.get("selector", {})
+        targets = [
+            loads[n]
+            for n, o in pods.items()
+            if selector.items() <= o["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        names = [f"{meta['name']}.{meta['namespace']}.svc"]
+        for sts in _by_kind(objects, "StatefulSet"):
+            if sts["spec"].get("serviceName") == meta["name"]:
+                names += [
+                    f"{sts['metadata']['name']}-{i}.{meta['name']}.{meta['namespace']}.svc"
+                    for i in range(int(sts["spec"].get("replicas", 1)))
+                ]
+        names += [f"{n}.cluster.local" for n in names]
+        hosts.update(names)
+        for sp in spec.get("ports", []):
+            target = sp.get("targetPort", sp["port"])
+            target_port: int | None = target if isinstance(target, int) else None
+            if target_port is None and len(targets) == 1:
+                target_port = targets[0].ports.get(str(target))
+            if target_port is None:
+                continue  # a named port over several workloads: not addressed by one number
+            for host in names:
+                service_ports[(host, int(sp["port"]))] = target_port
+    return ClusterMap(frozenset(hosts), service_ports, local)
+
+
+# --------------------------------------------------------------------------- the rewrite
+def _split(value: str) -> tuple[str, str, int | None, str] | None:
+    m = _ADDR.match(value)
+    if m is None:
+        return None
+    port = m.group("port")
+    return (
+        m.group("scheme") or "",
+        m.group("host"),
+        int(port) if port else None,
+        m.group("rest") or "",
+    )
+
+
+def _address(value: str, cmap: ClusterMap) -> str:
+    parts = _split(value)
+    if parts is None:
+        return value
+    scheme, host, port, rest = parts
+    if host == BIND_ANY:
+        new_port = cmap.ports.get(port) if port is not None else None
+    elif host in cmap.hosts:
+        target = cmap.service_ports.get((host, port)) if port is not None else None
+        new_port = cmap.ports.get(target) if target is not None else None
+        if port is not None and new_port is None:
+            raise StackError(f"{value!r}: port {port} is not a port of any Service of the domain")
+    else:
+        return value
+    port_part = f":{new_port}" if port is not None else ""
+    return f"{scheme}{LOOPBACK}{port_part}{rest}"
+
+
+def _port(value: Any, cmap: ClusterMap) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return cmap.ports.get(value, value)
+    if isinstance(value, str) and value.isdigit():
+        return str(cmap.ports.get(int(value), int(value)))
+    if isinstance(value, list):
+        return [_port(v, cmap) for v in value]
+    if isinstance(value, str) and value.startswith("{"):
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.dumps({k: _port(v, cmap) for k, v in json.loads(value).items()})
+    return value
+
+
+def _by_key(key: str, value: Any, cmap: ClusterMap) -> Any:
+    low = key.lower()
+    if isinstance(value, dict):
+        return {k: _by_key(k, v, cmap) for k, v in value.items()}
+    if isinstance(value, list) and any(isinstance(v, dict | list) for v in value):
+        return [_by_key(key, v, cmap) for v in value]
+    if "port" in low:
+        return _port(value, cmap)
+    if any(w in low for w in _HOST_WORDS) and isinstance(value, str):
+        return _address(value, cmap)
+    return value
+
+
+@dataclass
+class LocalWorkload:
+    """A workload as it runs here: argv, complete env, files to write."""
+
+    name: str
+    component: str
+    argv: list[str]
+    env: dict[str, str]
+    files: dict[str, str]  # local path -> content
+    file_map: dict[str, str]  # mounted path -> local path
+    ports: dict[str, int]  # container port name -> local port
+    readiness: tuple[str, int] | None  # path, local port
+
+
+def localize(w: Workload, cmap: ClusterMap, root: Path) -> LocalWorkload:
+    """Apply exactly the cluster-provided rewrites to one workload (pure but for ``root``)."""
+    argv = list(w.argv)
+    for i in range(1, len(argv)):
+        flag = argv[i - 1]
+        if flag.startswith("--") and not argv[i].startswith("--"):
+            argv[i] = _by_key(flag, argv[i], cmap)
+    file_map = {path: str(root / w.name / Path(path).name) for path in sorted(w.files)}
+    env = {k: file_map.get(v, _by_key(k, v, cmap)) for k, v in w.env.items()}
+    for key, ref in w.field_env.items():
+        if ref != "status.podIP":
+            raise StackError(f"{w.name}: env {key} comes from {ref}, which has no local value")
+        env[key] = LOOPBACK
+    files: dict[str, str] = {}
+    for path, text in w.files.items():
+        data = yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise StackError(f"{w.name}: mounted {path} is not a YAML mapping")
+        files[file_map[path]] = yaml.safe_dump(_by_key("", data, cmap), sort_keys=True)
+    ready = (w.readiness[0], cmap.ports[w.readiness[1]]) if w.readiness else None
+    ports = {n: cmap.ports[p] for n, p in w.ports.items()}
+    return LocalWorkload(w.name, w.component, argv, env, files, file_map, ports, ready)
+
+
+def _changes(old: Any, new: Any, path: str) -> Iterator[tuple[str, Any, Any]]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        if old.keys() != new.keys():
+            yield path, sorted(old), sorted(new)
+            return
+        for k in old:
+            yield from _changes(old[k], new[k], f"{path}.{k}")
+    elif isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            yield from _changes(a, b, f"{path}[{i}]")
+    elif isinstance(old, str) and isinstance(new, str) and old.startswith("{") and old != new:
+        try:
+            yield from _changes(json.loads(old), json.loads(new), f"{path}<json>")
+        except json.JSONDecodeError:
+            yield path, old, new
+    elif old != new:
+        yield path, old, new
+
+
+def _allowed(old: Any, new: Any, cmap: ClusterMap, files: Mapping[str, str]) -> bool:
+    if isinstance(old, int | str) and str(old).isdigit():
+        return bool(str(new).isdigit() and int(new) == cmap.ports.get(int(old), -1))
+    if isinstance(old, str) and old in files:
+        return bool(new == files[old])
+    if not isinstance(old, str) or not isinstance(new, str):
+        return False
+    a, b = _split(old), _split(new)
+    if a is None or b is None or (a[0], a[3]) != (b[0], b[3]) or b[1] != LOOPBACK:
+        return False
+    if a[1] not in cmap.hosts | {BIND_ANY}:
+        return False
+    if a[2] is None:
+        return b[2] is None
+    target = a[2] if a[1] == BIND_ANY else cmap.service_ports.get((a[1], a[2]))
+    return target is not None and b[2] == cmap.ports.get(target)
+
+
+def check_rewrite(w: Workload, lw: LocalWorkload, cmap: ClusterMap) -> list[str]:
+    """Every difference between rendered and local form, each proven to be a cluster rewrite.
+
+    Written apart from ``localize`` on purpose: it diffs the two forms generically and raises
+    on any change that is not a DNS name or bind address → 127.0.0.1, a container port → its
+    local port, or a mounted path → its local file. Returns the changes, one line each.
+    """
+    old_files = {p: yaml.safe_load(t) for p, t in w.files.items()}
+    new_files = {p: yaml.safe_load(lw.files[lw.file_map[p]]) for p in w.files}
+    env_old = dict(w.env)
+    env_new = {k: v for k, v in lw.env.items() if k not in w.field_env}
+    seen: list[str] = []
+    pairs = [(w.argv, lw.argv, "argv"), (env_old, env_new, "env"), (old_files, new_files, "files")]
+    for old, new, where in pairs:
+        for path, a, b in _changes(old, new, where):
+            if not _allowed(a, b, cmap, lw.file_map):
+                raise StackError(f"{w.name}: {path}: {a!r} -> {b!r} is not a cluster rewrite")
+            seen.append(f"{path}: {a!r} -> {b!r}")
+    for key in w.field_env:
+        seen.append(f"env.{key}: fieldRef {w.field_env[key]} -> {lw.env[key]!r}")
+    return seen
+
+
+# --------------------------------------------------------------------------- known gaps
+@dataclass(frozen=True)
+class Deviation:
+    """A change beyond the cluster rewrites, made only because a component lacks something.
+
+    ``present`` says whether the gap still exists (probed against the installed component,
+    so a fixed gap turns the deviation off by itself); ``apply`` edits one local workload.
+    """
+
+    key: str
+    component: str
+    what: str
+    present: Callable[[LocalWorkload], bool]
+    apply: Callable[[LocalWorkload], None]
+
+
+def _unknown_controller_flags(lw: LocalWorkload) -> list[str]:
+    from kvpool.controller.main import build_parser
+
+    _, unknown = build_parser().parse_known_args(lw.argv[1:])
+    return [a for a in unknown if a.startswith("--")]
+
+
+def _drop_flags(lw: LocalWorkload, flags: Sequence[str]) -> None:
+    out: list[str] = []
+    skip = False
+    for a in lw.argv:
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = True
+            continue
+        out.append(a)
+    lw.argv[:] = out
+
+
+def _worker_refuses_platform(lw: LocalWorkload) -> bool:
+    from pydantic import ValidationError
+
+    from kvpool.worker.settings import WorkerSettings
+
+    if "--platform" not in lw.argv:
+        return False
+    try:
+        WorkerSettings(platform=lw.argv[lw.argv.index("--platform") + 1])
+    except ValidationError:
+        return True
+    return False
+
+
+def _config(lw: LocalWorkload) -> tuple[str, dict[str, Any]]:
+    path = lw.env.get("LMCACHE_CONFIG_FILE", "")
+    return path, yaml.safe_load(lw.files.get(path, "{}")) or {}
+
+
+def _set_config(lw: LocalWorkload, **values: Any) -> None:
+    path, data = _config(lw)
+    data.update(values)
+    lw.files[path] = yaml.safe_dump(data, sort_keys=True)
+
+
+def _reference_refuses_async_loading(lw: LocalWorkload) -> bool:
+    """The reference engine's LMCache offload refuses ``enable_async_loading`` (checked in
+    ``LMCacheOffload.__init__`` before any engine is built: cheap to probe)."""
+    if not _config(lw)[1].get("enable_async_loading"):
+        return False
+    from kvpool.worker.engine.offload.lmcache_offload import (
+        LMCacheOffload,
+        OffloadConfigError,
+    )
+
+    try:
+        LMCacheOffload(
+            {"chunk_size": 16, "local_cpu": False, "enable_async_loading": True},
+            instance_id="probe",
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+            block_size=1,
+            dtype="none",  # refused right after the async check: no engine is ever built
+            model_name="probe",
+        )
+    except OffloadConfigError as exc:
+        return "enable_async_loading" in str(exc)
+    return False
+
+
+def _p2p_without_nixl(lw: LocalWorkload) -> bool:
+    import importlib.util
+
+    cfg = _config(lw)[1]
+    return bool(cfg.get("enable_p2p")) and importlib.util.find_spec("nixl") is None
+
+
+KNOWN_GAPS: tuple[Deviation, ...] = (
+    Deviation(
+        "controller-flags",
+        "controller",
+        "kvpool-controller does not accept flags the operator renders; they are dropped",
+        lambda lw: lw.component == "controller" and bool(_unknown_controller_flags(lw)),
+        lambda lw: _drop_flags(lw, _unknown_controller_flags(lw)),
+    ),
+    Deviation(
+        "worker-platform-cpu",
+        "worker",
+        "kvpool-worker refuses the rendered '--platform cpu' (it knows ascend|cuda); dropped "
+        "(the reference engine does not read it)",
+        lambda lw: lw.component == "worker" and _worker_refuses_platform(lw),
+        lambda lw: _drop_flags(lw, ["--platform"]),
+    ),
+    Deviation(
+        "worker-async-loading",
+        "worker",
+        "the reference engine refuses the rendered 'enable_async_loading: true' (which the "
+        "operator requires for upstream P2P); set to false",
+        lambda lw: lw.component == "worker" and _reference_refuses_async_loading(lw),
+        lambda lw: _set_config(lw, enable_async_loading=False),
+    ),
+    Deviation(
+        "p2p-needs-nixl",
+        "worker",
+        "the rendered 'enable_p2p: true' with transfer_channel nixl needs the nixl package, "
+        "absent here (and the reference engine has no P2P retrieve); set enable_p2p: false",
+        lambda lw: lw.component == "worker" and _p2p_without_nixl(lw),
+        lambda lw: _set_config(lw, enable_p2p=False),
+    ),
+)
+
+
+def present_gaps(lw: LocalWorkload) -> list[Deviation]:
+    return [g for g in KNOWN_GAPS if g.present(lw)]
+
+
+# --------------------------------------------------------------------------- processes
+def base_env() -> dict[str, str]:
+    """This process's env without anything a pod's rendered env decides."""
+    drop = ("LMCACHE_", "KVPOOL_", "VLLM_", "PYTHONHASHSEED", "POD_IP", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def resolve_command(argv0: str) -> str:
+    """The console script next to this interpreter (the venv's), else from PATH."""
+    local = Path(sys.executable).parent / argv0
+    found = str(local) if local.exists() else shutil.which(argv0)
+    if found is None:
+        raise StackError(f"command {argv0!r} not found: install its component (make install)")
+    return found
+
+
+@dataclass
+class Running:
+    workload: LocalWorkload
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.workload.ports['http']}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+@dataclass
+class LocalStack:
+    """A rendered domain run locally. Use as a context manager: ``close`` always runs."""
+
+    objects: list[Obj]
+    allow: frozenset[str] = frozenset()  # keys of KNOWN_GAPS the caller accepts
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-stack-")))
+    cmap: ClusterMap = field(init=False)
+    rendered: dict[str, Workload] = field(init=False)
+    rewrites: dict[str, list[str]] = field(default_factory=dict)
+    deviations: dict[str, list[str]] = field(default_factory=dict)
+    running: dict[str, Running] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.rendered = workloads(self.objects)
+        self.cmap = cluster_map(self.objects)
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def prepare(
+        self, name: str, *, edit: Callable[[Workload], None] | None = None
+    ) -> LocalWorkload:
+        """The local form of one workload; ``edit`` changes the rendered form first (a test
+        simulating a hand-edited pod), so the rewrite check still covers everything else."""
+        if name not in self.rendered:
+            raise StackError(f"no workload {name!r}; rendered: {sorted(self.rendered)}")
+        w = copy.deepcopy(self.rendered[name])
+        if edit is not None:
+            edit(w)
+        lw = localize(w, self.cmap, self.root)
+        self.rewrites[name] = check_rewrite(w, lw, self.cmap)
+        applied = []
+        for gap in present_gaps(lw):
+            if gap.key not in self.allow:
+                raise StackError(
+                    f"{name}: known gap {gap.key} ({gap.component}): {gap.what}. "
+                    "Pass allow={...} to run with this deviation"
+                )
+            gap.apply(lw)
+            applied.append(f"{gap.key}: {gap.what}")
+        self.deviations[name] = applied
+        if w.cpu is not None and w.cpu.isdigit():
+            lw.env.setdefault("OMP_NUM_THREADS", w.cpu)
+        return lw
+
+    def start(self, lw: LocalWorkload) -> Running:
+        """Write its files, start it in its own process group, log to ``<root>/<name>.log``."""
+        for path, text in lw.files.items():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text, encoding="utf-8")
+        log = self.root / f"{lw.name}.log"
+        argv = [resolve_command(lw.argv[0]), *lw.argv[1:]]
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                argv,
+                env={**base_env(), **lw.env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.root,
+                start_new_session=True,
+            )
+        run = Running(lw, proc, log)
+        self.running[lw.name] = run
+        logger.info("started %s (pid %d), log %s", lw.name, proc.pid, log)
+        return run
+
+    def wait_ready(self, run: Running, timeout_s: float = 120.0) -> str:
+        """Poll the rendered readiness probe until 200; returns the path that answered.
+
+        If the rendered path does not exist on the component (404/405) while ``/readyz``
+        answers 200, that is recorded as the deviation ``readiness-path`` (only when
+        allowed; otherwise it is an error naming the path).
+        """
+        if run.workload.readiness is None:
+            raise StackError(f"{run.workload.name}: no readiness probe rendered")
+        path, port = run.workload.readiness
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(base_url=f"http://{LOOPBACK}:{port}", timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if run.proc.poll() is not None:
+                    raise StackError(
+                        f"{run.workload.name} exited with {run.proc.returncode} before it was "
+                        f"ready; log {run.log}:\n{run.log_tail()}"
+                    )
+                try:
+                    code = client.get(path).status_code
+                    if code == 200:
+                        return path
+                    if code in (404, 405) and client.get("/readyz").status_code == 200:
+                        what = (
+                            f"rendered readinessProbe GET {path} answers {code} on "
+                            f"{run.workload.component}; /readyz used"
+                        )
+                        if "readiness-path" not in self.allow:
+                            raise StackError(f"{run.workload.name}: {what}")
+                        self.deviations.setdefault(run.workload.name, []).append(
+                            f"readiness-path: {what}"
+                        )
+                        return "/readyz"
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.25)
+        raise StackError(
+            f"{run.workload.name} not ready within {timeout_s:.0f}s; log {run.log}:\n"
+            f"{run.log_tail()}"
+        )
+
+    def stop(self, name: str, grace_s: float = 15.0) -> int | None:
+        """SIGTERM the process group, SIGKILL after ``grace_s``; returns the exit code."""
+        run = self.running.pop(name, None)
+        if run is None:
+            return None
+        if run.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.proc.pid, signal.SIGTERM)
+            try:
+                run.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s ignored SIGTERM for %.0fs: killing", name, grace_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.proc.pid, signal.SIGKILL)  # stragglers of the group, too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            run.proc.wait(timeout=5)
+        return run.proc.returncode
+
+    def close(self) -> None:
+        for name in reversed(list(self.running)):
+            self.stop(name)
+
+    def manifest(self) -> dict[str, Any]:
+        """What ran and how it differs from the render: for logs, READMEs and reports."""
+        return {
+            name: {
+                "argv": run.workload.argv,
+                "rewrites": self.rewrites.get(name, []),
+                "deviations": self.deviations.get(name, []),
+                "log": str(run.log),
+            }
+            for name, run in self.running.items()
+        }
