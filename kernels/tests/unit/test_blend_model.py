@@ -1,8 +1,9 @@
 """The shared decoder math (full prefill path) against transformers, and the attention masks.
 
 The blend path is only as right as the per-layer forward it shares with full prefill, so the
-full prefill here is compared with the transformers model's own forward (hidden states, logits
-and the post-RoPE KV cache) for Llama and Qwen2 (with q/k/v biases).
+full prefill here is compared with the transformers model's forward (hidden states, logits
+and the post-RoPE KV cache) for Llama, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms, the
+worker's reference-engine family).
 """
 
 import pytest
@@ -19,10 +20,12 @@ def _one_thread():  # type: ignore[no-untyped-def]
         yield
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_full_prefill_matches_transformers_forward(family: str) -> None:
     model = build_hf_model(TinyModelSpec(family=family, layers=3, seed=11))  # type: ignore[arg-type]
     w = DecoderWeights.from_hf(model)
+    assert (w.layers[0].q_norm is not None) == (family == "qwen3")
+    assert (w.layers[0].q_b is not None) == (family == "qwen2")
     tokens = torch.randint(0, 512, (96,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out = model(tokens[None], output_hidden_states=True, use_cache=True)
@@ -43,6 +46,10 @@ def test_from_hf_rejects_what_blending_cannot_rerotate() -> None:
     with pytest.raises(ValueError, match="rope_type"):
         DecoderWeights.from_hf(model)
     model.config.rope_parameters = {"rope_type": "default", "rope_theta": 1e4}
+    model.config.use_sliding_window = True
+    with pytest.raises(ValueError, match="sliding"):
+        DecoderWeights.from_hf(model)
+    model.config.use_sliding_window = False
     model.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act"):
         DecoderWeights.from_hf(model)

@@ -1,11 +1,12 @@
-"""The decoder math that full prefill and CacheBlend share: Llama/Qwen2 layers from raw weights.
+"""The decoder math that full prefill and CacheBlend share: Llama/Qwen layers from raw weights.
 
 Why this exists: blending must recompute *some* rows of a layer and reuse cached K/V for the
 rest, which a stock ``transformers`` forward cannot do. So the per-layer forward is written
 here, once, from the model's own weights (RMSNorm, q/k/v/o projections with optional bias,
-RoPE, grouped-query attention, SwiGLU MLP), and both :func:`full_prefill` and the blend path in
-:mod:`.blend` call the same three steps (:func:`project_qkv`, :func:`attend`,
-:func:`finish_layer`). Tests check :func:`full_prefill` against the transformers model's forward.
+Qwen3's per-head q/k norms, RoPE, grouped-query attention, SwiGLU MLP), and both
+:func:`full_prefill` and the blend path in :mod:`.blend` call the same three steps
+(:func:`project_qkv`, :func:`attend`, :func:`finish_layer`). Tests check :func:`full_prefill`
+against the transformers model's forward.
 
 Attention takes query and key *positions* and uses the exact causal rule: key ``j`` is visible to
 a query iff ``pos_k[j] <= pos_q``. The bottom-right-aligned mask that FlashAttention applies when
@@ -66,6 +67,8 @@ class LayerWeights:
     q_b: torch.Tensor | None = None
     k_b: torch.Tensor | None = None
     v_b: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm over each head's dims, before RoPE
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class DecoderWeights:
 
     @classmethod
     def from_hf(cls, model: Any) -> DecoderWeights:
-        """Take the weights of a transformers ``LlamaForCausalLM``/``Qwen2ForCausalLM`` (no copy).
+        """Take the weights of a transformers Llama/Qwen2/Qwen3 causal LM (no copy).
 
         Rejects what blending cannot re-rotate (rope scaling, partial rotary) and MLPs other than
         SwiGLU, naming the config field.
@@ -109,6 +112,12 @@ class DecoderWeights:
             raise ValueError("config.partial_rotary_factor must be 1.0 for blending")
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"config.hidden_act={cfg.hidden_act!r}: only SwiGLU ('silu') is wired")
+        layer_types = list(getattr(cfg, "layer_types", None) or [])
+        if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in layer_types:
+            raise ValueError(
+                "config.use_sliding_window/layer_types: sliding-window attention is not "
+                "supported by the blend path (its mask is plain causal)"
+            )
         theta = rope_params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         layers = []
@@ -128,6 +137,8 @@ class DecoderWeights:
                     q_b=_bias(att.q_proj),
                     k_b=_bias(att.k_proj),
                     v_b=_bias(att.v_proj),
+                    q_norm=_norm_weight(att, "q_norm"),
+                    k_norm=_norm_weight(att, "k_norm"),
                 )
             )
         return cls(
@@ -145,6 +156,11 @@ class DecoderWeights:
 def _bias(linear: Any) -> torch.Tensor | None:
     b = getattr(linear, "bias", None)
     return None if b is None else b.detach()
+
+
+def _norm_weight(attn: Any, name: str) -> torch.Tensor | None:
+    norm = getattr(attn, name, None)
+    return None if norm is None else norm.weight.detach()
 
 
 @dataclass(frozen=True)
@@ -202,6 +218,10 @@ def project_qkv(
     q = nnf.linear(x, lw.q_w, lw.q_b).view(rows, w.n_heads, d)
     k = nnf.linear(x, lw.k_w, lw.k_b).view(rows, w.n_kv_heads, d)
     v = nnf.linear(x, lw.v_w, lw.v_b).view(rows, w.n_kv_heads, d)
+    if lw.q_norm is not None:
+        q = _rms_norm(q, lw.q_norm, w.eps)
+    if lw.k_norm is not None:
+        k = _rms_norm(k, lw.k_norm, w.eps)
     cos, sin = cos_sin
     style = w.rope.style
     return rotate_cos_sin(q, cos, sin, style), rotate_cos_sin(k, cos, sin, style), v
