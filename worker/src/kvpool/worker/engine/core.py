@@ -63,7 +63,12 @@ class ReferenceEngine:
         max_batched_tokens: int | None = None,
         model_overrides: dict[str, Any] | None = None,
         logits_observer: LogitsObserver | None = None,
+        num_threads: int | None = None,
     ) -> None:
+        """``max_batched_tokens``: token budget of one step (default max_model_len: a prompt
+        is prefilled in one step). ``model_overrides``: config fields of the random-weight
+        model (smaller models in tests). ``num_threads``: intra-op threads for prefill steps
+        (default torch's); small steps always use one."""
         self.options = options
         self.offload = offload
         self.model_name = options.model_name
@@ -73,6 +78,7 @@ class ReferenceEngine:
         self._max_batched_tokens = max_batched_tokens or options.max_model_len
         self._model_overrides = dict(model_overrides or {})
         self._logits_observer = logits_observer
+        self._num_threads = num_threads
         self._blocks = BlockManager(options.num_kv_blocks, options.block_size)
         self._scheduler = Scheduler(self._blocks, options.max_num_seqs, self._max_batched_tokens)
         self._compute = ComputeThread(f"kvpool-engine-{options.model_name}")
@@ -119,7 +125,7 @@ class ReferenceEngine:
         )
 
     def _build(self) -> ModelRunner:
-        built = build(self.options, self.offload, self._model_overrides)
+        built = build(self.options, self.offload, self._model_overrides, self._num_threads)
         self._model = built.model
         self._vocab_size = built.model.shape.vocab_size
         self._eos_ids = built.eos_ids

@@ -31,6 +31,7 @@ def build(
     options: ReferenceEngineOptions,
     offload: KVOffload | None,
     model_overrides: dict[str, Any],
+    num_threads: int | None = None,
 ) -> Built:
     hf_model, config = load_hf_model(options, **model_overrides)
     model = PagedModel(hf_model, config)
@@ -41,7 +42,7 @@ def build(
     caches = model.allocate_kv_caches(options.num_kv_blocks, options.block_size)
     if offload is None and options.lmcache_config_file is not None:
         offload = build_lmcache(options, model.shape)
-    runner = ModelRunner(model, caches, options.block_size, offload)
+    runner = ModelRunner(model, caches, options.block_size, offload, num_threads)
     return Built(model=model, runner=runner, eos_ids=frozenset(eos_ids))
 
 

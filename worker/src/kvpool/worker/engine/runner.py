@@ -27,6 +27,14 @@ from kvpool.worker.offload_api import KVOffload
 
 logger = logging.getLogger(__name__)
 
+# Steps computing fewer tokens than this (decodes, short prefills) run on one intra-op
+# thread: their matmuls are tiny, and on a busy box a second OpenMP thread waiting for a
+# time slice made single-token steps 5-10x slower (measured on the 2-core dev box). Larger
+# steps use ``prefill_threads``.
+SMALL_STEP_TOKENS = 128
+# torch's own default, read before any engine changes the (process-wide) setting.
+DEFAULT_PREFILL_THREADS = torch.get_num_threads()
+
 
 @dataclass
 class StepOutput:
@@ -50,8 +58,10 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         block_size: int,
         offload: KVOffload | None,
+        prefill_threads: int | None = None,
     ) -> None:
         self.model = model
+        self.prefill_threads = prefill_threads or DEFAULT_PREFILL_THREADS
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.offload = offload
@@ -83,6 +93,10 @@ class ModelRunner:
                         want_logits=end == len(seq.tokens),
                     )
                 )
+            step_tokens = sum(len(c.token_ids) for c in chunks)
+            threads = 1 if step_tokens < SMALL_STEP_TOKENS else self.prefill_threads
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
             logits = self.model.forward(chunks, self.kv_caches) if chunks else None
             outputs: list[StepOutput] = []
             row = 0
