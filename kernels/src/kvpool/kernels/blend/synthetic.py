@@ -51,7 +51,7 @@ def single_thread() -> Iterator[None]:
 class TinyModelSpec:
     """Shape of the random-weight model (defaults: 4 layers, GQA 4/2 heads, head dim 64)."""
 
-    family: Literal["llama", "qwen2"] = "llama"
+    family: Literal["llama", "qwen2", "qwen3"] = "llama"
     layers: int = 4
     hidden: int = 256
     heads: int = 4
@@ -65,7 +65,7 @@ class TinyModelSpec:
 
 
 def build_hf_model(spec: TinyModelSpec) -> Any:
-    """A transformers ``LlamaForCausalLM``/``Qwen2ForCausalLM`` with seeded random weights."""
+    """A transformers Llama/Qwen2/Qwen3 causal LM with seeded random weights."""
     import transformers  # noqa: PLC0415 - optional: only tests and the bench build models
 
     kwargs: dict[str, Any] = {
@@ -82,24 +82,29 @@ def build_hf_model(spec: TinyModelSpec) -> Any:
     if spec.family == "llama":
         config: Any = transformers.LlamaConfig(**kwargs)
         model_cls: Any = transformers.LlamaForCausalLM
-    else:
+    elif spec.family == "qwen2":
         config = transformers.Qwen2Config(**kwargs)
         model_cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.Qwen3Config(**kwargs)
+        model_cls = transformers.Qwen3ForCausalLM
     config._attn_implementation = "sdpa"
     torch.manual_seed(spec.seed)
     model = model_cls(config).eval().to(spec.dtype)
-    if spec.family == "qwen2":
-        # Qwen2 has q/k/v biases, initialised to zero; make them non-zero so they matter
-        gen = torch.Generator().manual_seed(spec.seed + 1)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                ):
-                    noise = torch.randn(proj.bias.shape, generator=gen) * 0.5
-                    proj.bias.copy_(noise.to(spec.dtype))
+    # biases (Qwen2 q/k/v) start at zero and norms (Qwen3 q/k) at one: perturb them so that a
+    # path that ignored them would be caught
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            att = layer.self_attn
+            params = [(getattr(p, "bias", None), 0.0) for p in (att.q_proj, att.k_proj, att.v_proj)]
+            params += [
+                (getattr(att, n).weight, 1.0) for n in ("q_norm", "k_norm") if hasattr(att, n)
+            ]
+            for param, base in params:
+                if param is not None:
+                    noise = torch.randn(param.shape, generator=gen) * 0.5 + base
+                    param.copy_(noise.to(spec.dtype))
     return model
 
 
