@@ -263,3 +263,16 @@ def test_request_positions_need_not_start_at_zero(w64: DecoderWeights) -> None:
     res = blend_prefill(w64, tokens, segs, BlendConfig.single(0.2), positions=pos)
     torch.testing.assert_close(res.hidden, full.hidden[res.selected], rtol=0, atol=1e-9)
     torch.testing.assert_close(res.kv.k, full.kv.k, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_ratio_one_is_bitwise_full_prefill(dtype: torch.dtype) -> None:
+    w = DecoderWeights.from_hf(build_hf_model(TinyModelSpec(layers=3, dtype=dtype)))
+    p = rag_prompt(w, seed=0, **RAG)
+    full = full_prefill(w, p.tokens)
+    assert torch.equal(
+        blend_prefill(w, p.tokens, p.segments, BlendConfig.single(1.0)).hidden, full.hidden
+    )
+    res = blend_prefill(w, p.tokens, p.segments, BlendConfig.single(0.2))
+    assert res.hidden.dtype == res.kv.k.dtype == dtype
+    assert bool(torch.isfinite(res.hidden).all())
