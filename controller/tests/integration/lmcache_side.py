@@ -66,11 +66,12 @@ class LMCacheSide:
         world_size: int = 1,
         heartbeat_s: int | None = 1,
         p2p_port: int | None = None,
+        cpu_gb: float = 0.02,
     ) -> None:
         cfg: dict[str, Any] = {
             "chunk_size": CHUNK,
             "local_cpu": True,
-            "max_local_cpu_size": 0.02,
+            "max_local_cpu_size": cpu_gb,
             "enable_controller": True,
             "lmcache_instance_id": instance_id,
             "controller_pull_url": f"127.0.0.1:{ports['pull']}",
@@ -152,9 +153,11 @@ def main() -> None:
     ap.add_argument("--worker-port", type=int, required=True)
     ap.add_argument("--admit", default="", help="comma-separated chunk hashes")
     ap.add_argument("--heartbeat", type=int, default=1)
+    ap.add_argument("--cpu-gb", type=float, default=0.02, help="LocalCPUBackend size")
     args = ap.parse_args()
+    ports = json.loads(args.ports)
     side = LMCacheSide(
-        args.instance, json.loads(args.ports), args.worker_port, heartbeat_s=args.heartbeat
+        args.instance, ports, args.worker_port, heartbeat_s=args.heartbeat, cpu_gb=args.cpu_gb
     )
     time.sleep(0.5)  # registration is asynchronous in LMCacheWorker
     hashes = [int(h) for h in args.admit.split(",") if h]
