@@ -10,8 +10,8 @@ sanity peer for the full-prefill baseline.
 Prompt: ``[system 128][8 chunks, shuffled][question 64]``, 8192 tokens (2048 with ``--quick``).
 Each chunk was prefilled on its own behind the system prompt. Quality is measured on the 64
 question rows against full prefill: relative L2 error of the final hidden states and of the
-logits, and top-1 agreement of the logits. A random selection at r=0.15 and plain reuse (r=0,
-question only) are reported for scale.
+logits, KL divergence of the next-token distributions, and top-1 agreement. A random
+selection at r=0.15 and plain reuse (r=0, question only) are reported for scale.
 
 Usage: ``python kernels/bench/blend_bench.py [--quick] [--out PATH]``.
 """
@@ -148,6 +148,7 @@ def run(quick: bool) -> dict[str, Any]:
         metrics[f"blend_rel_error_{key}"] = q["hidden_rel_error"]
         metrics[f"blend_logits_rel_error_{key}"] = q["logits_rel_error"]
         metrics[f"blend_top1_agreement_{key}"] = q["top1_agreement"]
+        metrics[f"blend_kl_nats_{key}"] = q["kl_nats"]
         metrics[f"blend_ttft_wall_ratio_{key}"] = best["wall_s"] / min(full_wall)
         metrics[f"blend_ms_{key}"] = best["total_s"] * 1e3
         metrics[f"blend_load_ms_{key}"] = best["load_s"] * 1e3
@@ -184,11 +185,11 @@ def _table(
         f"{SPEC.kv_heads}kv heads, check layer {CHECK_LAYER}, fp32, one thread; times are CPU "
         f"time of the process, best of N{' (quick)' if quick else ''}\n\n"
         "| path | recomputed rows | CPU ms | ÷ full prefill | load ms | re-rope ms "
-        "| hidden rel err | logits rel err | top-1 agree |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-        f"| full prefill | {n} | {full * 1e3:.0f} | 1.000 | – | – | 0 | 0 | 1.000 |\n"
+        "| hidden rel err | logits rel err | KL nats | top-1 agree |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        f"| full prefill | {n} | {full * 1e3:.0f} | 1.000 | – | – | 0 | 0 | 0 | 1.000 |\n"
         f"| transformers forward (peer) | {n} | {hf_s * 1e3:.0f} | {hf_s / full:.3f} "
-        "| – | – | – | – | – |\n"
+        "| – | – | – | – | – | – |\n"
     )
     lines = []
     for r, best, q, sel in rows:
@@ -197,11 +198,11 @@ def _table(
             f"| {name} | {sel} | {best['total_s'] * 1e3:.0f} | {best['total_s'] / full:.3f} "
             f"| {best['load_s'] * 1e3:.0f} | {best['rerope_s'] * 1e3:.0f} "
             f"| {q['hidden_rel_error']:.3f} | {q['logits_rel_error']:.3f} "
-            f"| {q['top1_agreement']:.3f} |"
+            f"| {q['kl_nats']:.4f} | {q['top1_agreement']:.3f} |"
         )
     lines.append(
         f"| random selection r=0.15 | – | – | – | – | – | {rand['hidden_rel_error']:.3f} "
-        f"| {rand['logits_rel_error']:.3f} | {rand['top1_agreement']:.3f} |"
+        f"| {rand['logits_rel_error']:.3f} | {rand['kl_nats']:.4f} | {rand['top1_agreement']:.3f} |"
     )
     return head + "\n".join(lines) + "\n"
 

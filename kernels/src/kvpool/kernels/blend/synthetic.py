@@ -151,12 +151,16 @@ def rag_prompt(
 
 
 def quality(w: DecoderWeights, reference: torch.Tensor, blended: torch.Tensor) -> dict[str, float]:
-    """Relative L2 error of final-normed hidden states and logits, and top-1 agreement.
+    """Relative L2 error of final-normed hidden states and logits, top-1 agreement, and the mean
+    KL divergence ``KL(reference || blended)`` of the next-token distributions (nats).
 
     ``reference`` and ``blended`` are ``[R, hidden]`` rows of the same tokens.
     """
     ref_logits, bl_logits = logits(w, reference), logits(w, blended)
+    ref_lp = ref_logits.to(torch.float64).log_softmax(-1)
+    bl_lp = bl_logits.to(torch.float64).log_softmax(-1)
     return {
+        "kl_nats": float((ref_lp.exp() * (ref_lp - bl_lp)).sum(-1).mean()),
         "hidden_rel_error": float((blended - reference).norm() / reference.norm()),
         "logits_rel_error": float((bl_logits - ref_logits).norm() / ref_logits.norm()),
         "top1_agreement": float(
