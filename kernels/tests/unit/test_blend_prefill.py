@@ -238,6 +238,10 @@ def test_bad_segments_and_configs_are_rejected(w64: DecoderWeights) -> None:
     short = KVCache(seg.kv.k[:2], seg.kv.v[:2], seg.kv.positions)
     with pytest.raises(ValueError, match="this model needs"):
         load_segments(w64, p.tokens, [CachedSegment(seg.start, seg.tokens, short)])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        load_segments(w64, p.tokens, p.segments, positions=torch.arange(p.tokens.shape[0]).flip(0))
+    with pytest.raises(ValueError, match="non-empty"):
+        load_segments(w64, p.tokens[:0], [])
     raw = load_segments(w64, p.tokens, p.segments, reposition=False)
     with pytest.raises(ValueError, match="reposition_keys"):
         blend_forward(w64, p.tokens, raw, BlendConfig.single(0.1))

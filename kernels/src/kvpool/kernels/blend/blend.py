@@ -154,7 +154,18 @@ def load_segments(
     Uncovered rows are zero and marked uncovered. ``reposition=False`` skips the re-rotation
     (the bench times the two stages apart).
     """
+    if tokens.dim() != 1 or tokens.shape[0] == 0:
+        raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(tokens.shape)}")
     n = int(tokens.shape[0])
+    if positions is not None and (
+        positions.shape != (n,)
+        or positions.is_floating_point()
+        or (n > 1 and not bool((positions[1:] > positions[:-1]).all()))
+    ):
+        raise ValueError(
+            f"positions must be {n} strictly increasing integers (one per token), "
+            f"got shape {tuple(positions.shape)} dtype {positions.dtype}"
+        )
     dev, dt = w.embed.device, w.embed.dtype
     shape = (w.n_layers, n, w.n_kv_heads, w.head_dim)
     k = torch.zeros(shape, dtype=dt, device=dev)
