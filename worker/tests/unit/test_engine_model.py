@@ -7,11 +7,19 @@ attention reads and writes K/V through slot mappings in the vLLM flash NHD layou
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from kvpool.worker.engine.model import PagedModel, SeqChunk, load_hf_model, slot_mapping
+from kvpool.worker.engine.model import (
+    PagedModel,
+    SeqChunk,
+    load_hf_model,
+    model_shape,
+    slot_mapping,
+)
 from kvpool.worker.engine_api import EngineError, ReferenceEngineOptions
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256}
@@ -121,3 +129,43 @@ def test_local_model_dir_loads_without_a_hub(model: PagedModel, tmp_path: object
     a = model.forward([SeqChunk(ids, 0, [0, 1])], model.allocate_kv_caches(4, BLOCK))
     b = loaded.forward([SeqChunk(ids, 0, [0, 1])], loaded.allocate_kv_caches(4, BLOCK))
     torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_other_families_from_a_local_dir_match_transformers(family: str, tmp_path: Any) -> None:
+    """Llama (no q/k norm) and Qwen2 (q/k/v bias) checkpoints saved locally, then served."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = LlamaConfig if family == "llama" else Qwen2Config
+    config = cls(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
+    hf, loaded_config = load_hf_model(ReferenceEngineOptions(model_dir=str(tmp_path)))
+    model = PagedModel(hf, loaded_config)
+    ids = [random.Random(1).randrange(512) for _ in range(50)]
+    caches = model.allocate_kv_caches(8, BLOCK)
+    model.forward([SeqChunk(ids[:30], 0, [3, 1, 6, 0], want_logits=False)], caches)
+    ours = model.forward([SeqChunk(ids[30:], 30, [3, 1, 6, 0])], caches)
+    torch.testing.assert_close(ours[0], hf_logits(model, ids)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_families_are_refused_by_name(tmp_path: Any) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(str(tmp_path))
+    with pytest.raises(EngineError, match="model_type 'gpt2'"):
+        load_hf_model(ReferenceEngineOptions(model_dir=str(tmp_path)))
+
+
+def test_model_shape_without_weights_matches_the_built_model(
+    model: PagedModel, tmp_path: Any
+) -> None:
+    assert model_shape(ReferenceEngineOptions(weights_seed=7), **TINY) == model.shape
+    model.hf_model.save_pretrained(str(tmp_path))
+    assert model_shape(ReferenceEngineOptions(model_dir=str(tmp_path))) == model.shape
+    default = model_shape(ReferenceEngineOptions())
+    assert (default.num_layers, default.num_kv_heads, default.head_dim) == (4, 2, 64)
+    assert default.kv_bytes_per_token == 2 * 4 * 2 * 64 * 4
