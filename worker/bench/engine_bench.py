@@ -5,7 +5,8 @@ sampled).
 Why this module exists: ``bench/run.py`` (ttft_hit_over_miss at 1K/4K/8K per tier) needs the
 same measurement for every tier; keeping it next to the engine keeps it honest about what is
 timed (the prefill and the KV load, not HTTP or tokenization). Run it directly for the
-engine alone (no offload): ``python worker/bench/engine_bench.py [--lengths 1024,4096]``.
+engine alone: ``python worker/bench/engine_bench.py [--lengths 1024,4096]``, or miss vs hit
+through LMCache: ``... --lmcache-config lmcache.yaml``.
 """
 
 from __future__ import annotations
@@ -78,16 +79,28 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-async def _main(lengths: list[int]) -> None:
-    engine = ReferenceEngine(ReferenceEngineOptions())
+async def _main(lengths: list[int], lmcache_config: str | None) -> None:
+    options = ReferenceEngineOptions(lmcache_config_file=lmcache_config)
+    engine = ReferenceEngine(options)
     began = time.perf_counter()
     await engine.start()
     print(f"engine started in {time.perf_counter() - began:.2f}s", flush=True)
     try:
         await ttft_ms(engine, 64)  # warm-up
-        print("| prompt tokens | TTFT (ms, no offload) |\n|---:|---:|")
+        if lmcache_config is None:
+            print("| prompt tokens | TTFT (ms, no offload) |\n|---:|---:|")
+            for n in lengths:
+                print(f"| {n} | {await ttft_ms(engine, n):.0f} |", flush=True)
+            return
+        print("| prompt tokens | miss TTFT (ms) | hit TTFT (ms) | hit/miss | cached tokens |")
+        print("|---:|---:|---:|---:|---:|")
         for n in lengths:
-            print(f"| {n} | {await ttft_ms(engine, n):.0f} |", flush=True)
+            r = await miss_and_hit_ms(engine, n, seed=n)
+            print(
+                f"| {n} | {r['miss_ms']:.0f} | {r['hit_ms']:.0f} | {r['hit_over_miss']:.3f} "
+                f"| {r['cached_tokens']:.0f} |",
+                flush=True,
+            )
     finally:
         await engine.shutdown(5.0)
 
@@ -95,5 +108,6 @@ async def _main(lengths: list[int]) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,4096,8192")
+    parser.add_argument("--lmcache-config", help="LMCache YAML: measure miss and hit TTFT")
     args = parser.parse_args()
-    asyncio.run(_main([int(x) for x in args.lengths.split(",")]))
+    asyncio.run(_main([int(x) for x in args.lengths.split(",")], args.lmcache_config))
