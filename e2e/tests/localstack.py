@@ -532,6 +532,18 @@ class Running:
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.workload.ports['http']}"
 
+    def wait_log(self, needle: str, timeout_s: float = 60.0) -> bool:
+        """Wait until ``needle`` appears in the log (True) or the process exits without it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            exited = self.proc.poll() is not None
+            if needle in self.log.read_text(errors="replace"):
+                return True
+            if exited:
+                return False
+            time.sleep(0.2)
+        raise StackError(f"{self.workload.name}: {needle!r} not logged within {timeout_s:.0f}s")
+
     def log_tail(self, lines: int = 40) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -544,6 +556,7 @@ class LocalStack:
 
     objects: list[Obj]
     allow: frozenset[str] = frozenset()  # keys of KNOWN_GAPS the caller accepts
+    cluster: ClusterMap | None = None  # share another stack's addresses (same namespace)
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-stack-")))
     cmap: ClusterMap = field(init=False)
     rendered: dict[str, Workload] = field(init=False)
@@ -553,7 +566,7 @@ class LocalStack:
 
     def __post_init__(self) -> None:
         self.rendered = workloads(self.objects)
-        self.cmap = cluster_map(self.objects)
+        self.cmap = self.cluster or cluster_map(self.objects)
 
     def __enter__(self) -> LocalStack:
         return self
