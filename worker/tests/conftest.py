@@ -217,3 +217,50 @@ def make_offload() -> Iterator[Callable[..., Any]]:
     yield make
     for off in made:
         off.close(10)
+
+
+# A second worker process: its own LMCache engine on the same config retrieves the tokens
+# into zeroed paged caches at other slots and saves the rows it got.
+SECOND_WORKER = """
+import json, sys, torch
+from kvpool.worker.engine.offload import LMCacheOffload
+args = json.loads(sys.argv[1])
+g = args["geometry"]
+off = LMCacheOffload(args["config"], instance_id="second-worker", dtype="float32",
+                     model_name="kvpool/test", **g)
+shape = (2, args["num_blocks"], g["block_size"], g["num_kv_heads"], g["head_dim"])
+kv = [torch.zeros(shape) for _ in range(g["num_layers"])]
+slots = torch.tensor(args["slots"])
+tokens = args["tokens"]
+hit = off.lookup(tokens)
+loaded = off.retrieve(tokens, hit, kv, slots)
+rows = [layer.view(2, -1, g["num_kv_heads"], g["head_dim"])[:, slots[:loaded]] for layer in kv]
+torch.save({"hit": hit, "loaded": loaded, "rows": rows, "metrics": off.metrics()}, args["out"])
+off.close(5)
+"""
+
+
+@pytest.fixture
+def second_worker(tmp_path: Path) -> Callable[..., dict[str, Any]]:
+    """Run SECOND_WORKER in a fresh Python process (bounded); returns what it saved."""
+    import json
+
+    def run(config: dict[str, Any], tokens: list[int], slots: list[int]) -> dict[str, Any]:
+        out = tmp_path / f"second-{uuid.uuid4().hex[:6]}.pt"
+        args = {
+            "config": {"chunk_size": 256, "max_local_cpu_size": 0.25, **config},
+            "geometry": KV_GEOMETRY, "num_blocks": 128, "tokens": tokens, "slots": slots,
+            "out": str(out),
+        }  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", SECOND_WORKER, json.dumps(args)],
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise AssertionError(f"second worker failed:\n{proc.stderr.decode()[-3000:]}")
+        result: dict[str, Any] = torch.load(out)
+        return result
+
+    return run

@@ -9,15 +9,15 @@ Rules it keeps:
 - KV cache tensors are taken from the call's kwargs every time (``kvcaches``) and never cached:
   upstream caches pointers per device and a retrieve can then write into the wrong cache.
 - Stored chunks are ``[2, L, T, H*D + G]``: the payload plus the integrity guard
-  (:mod:`.guard`). Every chunk this process filled or verified is trusted (a weak set of the
-  memory objects); any other chunk (read back from disk or a remote tier) is verified before a
-  single byte reaches the paged cache, and the first bad chunk ends the retrieve there.
+  (:mod:`.guard`). A chunk served from this process's local CPU tier is trusted (it was sealed
+  here or verified on its way in); any other chunk (read back from disk or a remote tier) is
+  verified before a single byte reaches the paged cache, and the first bad chunk ends the
+  retrieve there. Trust is by tier, not by memory object: LMCache reuses memory objects.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +40,7 @@ REPORT_KW = "kvpool_report"
 class RetrieveReport:
     """What one retrieve really wrote into the paged cache (filled in by the connector)."""
 
+    trusted_starts: set[int] = field(default_factory=set)  # chunks served by local CPU
     verified_end: int | None = None  # token index where verified chunks stop; None: all good
     bad_chunk_starts: list[int] = field(default_factory=list)
     verified_chunks: int = 0  # chunks checked (not trusted on arrival)
@@ -62,7 +63,6 @@ class CPUPagedConnector(GPUConnectorInterface):  # type: ignore[misc]
         self.dtype = dtype
         self.layout: PagedLayout = layout
         self.row_width = guard.stored_row_width(self.hidden, dtype)
-        self._trusted: weakref.WeakSet[MemoryObj] = weakref.WeakSet()
 
     # --- LMCache interface -----------------------------------------------------------------
     def get_shape(self, num_tokens: int) -> torch.Size:
@@ -75,7 +75,6 @@ class CPUPagedConnector(GPUConnectorInterface):  # type: ignore[misc]
             kv_caches, slot_mapping[start:end], chunk[..., : self.hidden], layout=self.layout
         )
         guard.seal(chunk, self.hidden, tokens[start:end])
-        self._trusted.add(memory_obj)
 
     def batched_from_gpu(
         self,
@@ -101,16 +100,19 @@ class CPUPagedConnector(GPUConnectorInterface):  # type: ignore[misc]
             raise ValueError("CPUPagedConnector is not layerwise: pass memory objects")
         kv_caches, slot_mapping, tokens = _store_args(kwargs)
         report = kwargs.get(REPORT_KW)
+        if not isinstance(report, RetrieveReport):
+            report = RetrieveReport()  # nothing trusted: verify every chunk
         good: list[tuple[torch.Tensor, int, int]] = []
         # Chunks arrive in token order; verify all before writing any.
         for memory_obj, start, end in sorted(
             zip(memory_objs, starts, ends, strict=True), key=lambda x: x[1]
         ):
-            if not self.check(memory_obj, tokens[start:end], report):
-                if isinstance(report, RetrieveReport):
+            if start not in report.trusted_starts:
+                report.verified_chunks += 1
+                if not self.check(memory_obj, tokens[start:end]):
                     report.verified_end = start
                     report.bad_chunk_starts.append(start)
-                break
+                    break
             good.append((_tensor(memory_obj), start, end))
         for chunk, start, end in good:
             chunk_to_paged(
@@ -121,20 +123,15 @@ class CPUPagedConnector(GPUConnectorInterface):  # type: ignore[misc]
             )
 
     # --- integrity --------------------------------------------------------------------------
-    def check(self, memory_obj: MemoryObj, token_ids: Sequence[int], report: object = None) -> bool:
-        """Trusted, or carries a valid guard for ``token_ids`` (then trusted from now on)."""
-        if memory_obj in self._trusted:
+    def check(self, memory_obj: MemoryObj, token_ids: Sequence[int]) -> bool:
+        """The chunk carries a valid guard for exactly ``token_ids``."""
+        if guard.verify(_tensor(memory_obj), self.hidden, token_ids):
             return True
-        if isinstance(report, RetrieveReport):
-            report.verified_chunks += 1
-        if not guard.verify(_tensor(memory_obj), self.hidden, token_ids):
-            logger.warning(
-                "KV chunk failed its integrity check (%d tokens): treating it as a miss",
-                len(token_ids),
-            )
-            return False
-        self._trusted.add(memory_obj)
-        return True
+        logger.warning(
+            "KV chunk failed its integrity check (%d tokens): treating it as a miss",
+            len(token_ids),
+        )
+        return False
 
 
 def _tensor(memory_obj: MemoryObj) -> torch.Tensor:

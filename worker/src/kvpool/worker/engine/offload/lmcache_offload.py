@@ -33,7 +33,12 @@ from kvpool.worker.engine.offload.connector import (
     CPUPagedConnector,
     RetrieveReport,
 )
-from kvpool.worker.engine.offload.remote_ops import flush_pending, remote_remove
+from kvpool.worker.engine.offload.storage_ops import (
+    close_redis,
+    disk_length_ok,
+    flush_pending,
+    remote_remove,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +147,7 @@ class LMCacheOffload:
         )
         self._lock = threading.RLock()
         self._pinned: dict[CacheEngineKey, list[str]] = {}
+        self._unconfirmed_remote: list[CacheEngineKey] = []  # stored, not yet seen remotely
         self._metrics: dict[str, float] = {}
         self._closed = False
         self.closed_cleanly: bool | None = None
@@ -186,6 +192,10 @@ class LMCacheOffload:
     def chunk_hashes(self, token_ids: Sequence[int]) -> list[int]:
         """LMCache's chunk hashes of the full chunks of ``token_ids`` (what the controller sees)."""
         return [k.chunk_hash for _, _, k in self._chunks(token_ids)]
+
+    def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
+        """LMCache's storage keys (``CacheEngineKey.to_string()``) of the full chunks."""
+        return [k.to_string() for _, _, k in self._chunks(token_ids)]
 
     def _check_caches(self, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor) -> None:
         if len(kv_caches) != self.num_layers:
@@ -258,6 +268,10 @@ class LMCacheOffload:
                 **{TOKENS_KW: tokens},
             )
             nbytes = (storable - done) * self._payload_bytes_per_token
+            if self._remote_health is not None and self._remote_up():
+                self._unconfirmed_remote.extend(
+                    k for s, _, k in self._chunks(tokens[:storable]) if s >= done
+                )
             for tier in self.tiers:
                 if tier in tiers.BACKEND_OF_TIER or self._remote_up():
                     self._count(f"stored_bytes.{tier}", nbytes)
@@ -288,7 +302,11 @@ class LMCacheOffload:
             self._refresh_health()
             hit = int(self.engine.lookup(tokens[:span], lookup_id=req_id, pin=True))
             mapping = {loc: list(keys) for loc, keys in self.engine.lookup_pins[req_id].items()}
-            report = RetrieveReport()
+            hit = self._check_disk_lengths(tokens[:hit], mapping)
+            local = set(mapping.get(tiers.BACKEND_OF_TIER[tiers.LOCAL_CPU], ()))
+            report = RetrieveReport(
+                trusted_starts={s for s, _, k in self._chunks(tokens[:hit]) if k in local}
+            )
             loaded = 0
             try:
                 if hit > 0:
@@ -317,6 +335,17 @@ class LMCacheOffload:
             self._count("lookup_hit_tokens" if loaded else "lookup_miss_requests", loaded or 1)
             self._count("lookup_requests")
             return loaded
+
+    def _check_disk_lengths(
+        self, tokens: list[int], mapping: Mapping[str, list[CacheEngineKey]]
+    ) -> int:
+        """Hit length after dropping the first disk chunk whose file has the wrong size."""
+        on_disk = set(mapping.get(tiers.BACKEND_OF_TIER[tiers.LOCAL_DISK], ()))
+        for start, _, key in self._chunks(tokens) if on_disk else ():
+            if key in on_disk and not disk_length_ok(self._storage, key):
+                self._drop_chunk(key)
+                return start
+        return len(tokens)
 
     def _account_loaded(self, mapping: Mapping[str, list[CacheEngineKey]], loaded: int) -> None:
         pos = 0
@@ -470,6 +499,27 @@ class LMCacheOffload:
             out[f"tier_errors.{h.tier}"] = errors
         return out
 
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait (bounded) until LMCache's asynchronous disk and remote writes are done."""
+        deadline = time.monotonic() + timeout_s
+        if not flush_pending(self._storage, timeout_s):
+            return False
+        remote = self._storage.storage_backends.get(tiers.REMOTE_BACKEND)
+        while True:
+            with self._lock:
+                keys = self._unconfirmed_remote
+                if not keys or remote is None or not self._remote_up():
+                    keys.clear()
+                    return True
+                seen = remote.batched_contains(list(keys))
+                del keys[:seen]
+                if not keys:
+                    return True
+            if time.monotonic() >= deadline:
+                logger.warning("%d chunk writes to the remote tier not visible yet", len(keys))
+                return False
+            time.sleep(0.02)
+
     def close(self, deadline_s: float) -> None:
         """Flush pending disk/remote writes, deregister, close LMCache, within ``deadline_s``.
 
@@ -488,6 +538,7 @@ class LMCacheOffload:
         def _run() -> None:
             try:
                 flush_pending(self._storage, max(0.0, deadline_s * 0.5))
+                close_redis(self._storage)
                 LMCacheEngineBuilder.destroy(self.instance_id)
             except Exception:
                 logger.exception("closing LMCache engine %s failed", self.instance_id)

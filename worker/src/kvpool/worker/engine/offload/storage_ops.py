@@ -1,20 +1,27 @@
-"""The few storage operations LMCache 0.5.6 leaves out: remote removal and write flushing.
+"""The few storage operations LMCache 0.5.6 leaves out: remote removal, disk length checks,
+write flushing and a Redis close that does not deadlock.
 
 Why this module exists: LMCache's ``RemoteBackend.remove`` calls ``remove_sync``, which neither
 its Redis nor its Mooncake connector implements, so evicting a chunk (or dropping one that
 failed its integrity check) would leave it in the shared tier forever. This module removes it
 with the connector's own client (redis-py's ``DELETE`` on LMCache's two keys per chunk,
 Mooncake's ``remove``). ``flush_pending`` waits, bounded, for LMCache's asynchronous disk and
-remote writes before a close.
+remote writes before a close. ``disk_length_ok`` catches a truncated chunk file before
+LMCache's ``readinto`` fills the rest of the buffer with whatever it held before.
+``close_redis`` closes LMCache's Redis connector without its ``close``, which deadlocks in
+0.5.6 (it waits on its own event loop from inside that loop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
 import time
 from typing import Any
 
+import torch
 from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
@@ -80,3 +87,49 @@ def flush_pending(storage: Any, budget_s: float) -> bool:
             logger.warning("%d chunk writes still pending at close: giving up on them", left)
             return False
         time.sleep(0.02)
+
+
+def close_redis(storage: Any, timeout_s: float = 2.0) -> bool:
+    """Close LMCache's ``redis://`` connector safely and detach it; True when it was one.
+
+    ``RedisConnector.close`` awaits a *synchronous* ``pq_executor.shutdown`` on the loop that
+    shutdown itself waits for, so it never returns. Here the executor is stopped without
+    waiting and the client closed, both on that loop, then the backend forgets the
+    connection (its own close then only logs that it had none).
+    """
+    found = _connector(storage)
+    if found is None:
+        return False
+    backend, conn = found
+    executor = getattr(conn, "pq_executor", None)
+    client = getattr(conn, "connection", None)
+    if executor is None or client is None or not hasattr(client, "aclose"):
+        return False
+
+    async def _close() -> None:
+        await executor.shutdown_async(wait=False)
+        await client.aclose()
+
+    try:
+        asyncio.run_coroutine_threadsafe(_close(), backend.loop).result(timeout_s)
+    except Exception as e:
+        logger.warning("closing the Redis connection failed: %s", e)
+    backend.connection = None
+    return True
+
+
+def disk_length_ok(storage: Any, key: CacheEngineKey) -> bool:
+    """The chunk file of ``key`` has exactly the bytes its shape and dtype need."""
+    disk = storage.storage_backends.get("LocalDiskBackend")
+    meta = None if disk is None else disk.dict.get(key)
+    if meta is None or meta.shape is None or meta.dtype is None:
+        return True  # not on disk (LMCache will miss) or nothing to compare with
+    want = math.prod(meta.shape) * torch.empty((), dtype=meta.dtype).element_size()
+    try:
+        have = os.stat(meta.path).st_size
+    except OSError:
+        return False
+    if have != want:
+        logger.warning("chunk file %s has %d bytes, expected %d: a miss", meta.path, have, want)
+        return False
+    return True
