@@ -83,6 +83,23 @@ def test_exact_cache_gives_exact_output_at_any_ratio(w64: DecoderWeights, check_
         torch.testing.assert_close(res.hidden, full.hidden[res.selected], rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        BlendConfig.single(0.15, selector=Selector.V_DEVIATION),
+        BlendConfig(checks=(CheckStep(1, 0.4), CheckStep(2, 0.1))),
+        BlendConfig.single(0.15, selector=Selector.RANDOM, seed=3),
+    ],
+    ids=["v-deviation", "gradual", "random"],
+)
+def test_exact_cache_is_exact_for_any_selector_and_schedule(
+    w64: DecoderWeights, cfg: BlendConfig
+) -> None:
+    tokens, segs, full = _exact_cache_prompt(w64)
+    res = blend_prefill(w64, tokens, segs, cfg)
+    torch.testing.assert_close(res.hidden, full.hidden[res.selected], rtol=0, atol=1e-9)
+
+
 @pytest.mark.parametrize("check_layer", [1, 2])
 def test_bottom_right_mask_fails_the_exact_cache_property(
     w64: DecoderWeights, check_layer: int
