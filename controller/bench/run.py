@@ -192,12 +192,10 @@ def run_loadgen(
     )  # fmt: skip
     while time.time() < start_at:
         time.sleep(0.01)
-    cpu0, wall0 = ctl.cpu_seconds(), time.time()
     outs = [
         json.loads(b.communicate(timeout=600)[0].decode().strip().splitlines()[-1])
         for b in blasters
     ]
-    cpu, wall = ctl.cpu_seconds() - cpu0, time.time() - wall0
     stop.touch()
     looked = json.loads(looker.communicate(timeout=120)[0].decode().strip().splitlines()[-1])
     t0 = min(o["t0"] for o in outs)
@@ -209,7 +207,6 @@ def run_loadgen(
         "p2p_lookup_p95_ms": looked["p95_ms"],
         "p2p_lookup_p50_ms": looked["p50_ms"],
         "p2p_lookups_per_s": looked["lookups"] / (t_done - t0),
-        "controller_cpu_util": cpu / wall,
         "events": events,
     }
 
@@ -441,7 +438,6 @@ def main() -> None:
             "p2p_lookup_p95_ms",
             "p2p_lookup_p50_ms",
             "p2p_lookups_per_s",
-            "controller_cpu_util",
         ):
             metrics[f"loadgen_{key}"] = loadgen["ours"][key]
             metrics[f"lmcache_loadgen_{key}"] = loadgen["lmcache"][key]
@@ -471,13 +467,6 @@ def main() -> None:
                 f"load generator x{multi}: p2p lookups/s during the blast",
                 f"{lg_o['p2p_lookups_per_s']:,.0f}",
                 f"{lg_l['p2p_lookups_per_s']:,.0f}",
-            )
-        )
-        rows.append(
-            (
-                f"load generator x{multi}: controller CPU (cores)",
-                f"{lg_o['controller_cpu_util']:.2f}",
-                f"{lg_l['controller_cpu_util']:.2f}",
             )
         )
 

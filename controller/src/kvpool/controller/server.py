@@ -2,11 +2,11 @@
 
 Why this shape: LMCache's controller awaits one frame at a time and runs its health check in a
 second thread with its own loop. Here each socket is awaited for readability once, then drained
-synchronously (non-blocking ``recv`` on a shadow of the same socket) up to ``drain_batch`` frames
-per turn before yielding, so a burst of admit/evict batches costs one loop wake-up, and the
-request/reply and heartbeat sockets still get their turn. Socket roles match LMCache: PULL for
-fire-and-forget, ROUTER for requests, optional heartbeat ROUTER; plus ours: PUB of index deltas
-and a ROUTER that answers snapshots.
+synchronously (non-blocking ``recv`` on a shadow of the same socket) for up to ``drain_batch``
+frames or ``drain_budget_ms`` per turn before yielding, so a burst of admit/evict batches costs
+few loop wake-ups while lookups and heartbeats on the other sockets still wait at most about a
+millisecond. Socket roles match LMCache: PULL for fire-and-forget, ROUTER for requests,
+optional heartbeat ROUTER; plus ours: PUB of index deltas and a ROUTER answering snapshots.
 """
 
 from __future__ import annotations
@@ -171,8 +171,11 @@ class ControllerServer:
         asock = self._sockets[role]
         ssock = self._shadows[role]
         batch = self.settings.drain_batch
+        budget = self.settings.drain_budget_ms / 1000.0
+        clock = time.perf_counter
         while True:
             await asock.poll()  # default: wait (no timeout) for POLLIN
+            deadline = clock() + budget
             for _ in range(batch):
                 try:
                     frames = ssock.recv_multipart(zmq.NOBLOCK)
@@ -183,6 +186,8 @@ class ControllerServer:
                 except Exception:
                     self.service.bad("handler_error", f"handler error on {role}")
                     logger.exception("handler error on %s socket", role)
+                if clock() > deadline:
+                    break  # let the other sockets (lookups, heartbeats) have their turn
             self.flush()
             await asyncio.sleep(0)
 

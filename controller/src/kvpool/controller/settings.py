@@ -58,7 +58,10 @@ class ControllerSettings(BaseSettings):
     full_sync_completion_threshold: float = Field(0.8, ge=0, le=1)
     full_sync_timeout_s: float = Field(300.0, gt=0)
     chunk_size: int = Field(256, gt=0, description="Tokens per chunk for token lookups")
-    drain_batch: int = Field(512, gt=0, description="Frames handled per loop turn per socket")
+    drain_batch: int = Field(512, gt=0, description="Most frames handled per loop turn per socket")
+    drain_budget_ms: float = Field(
+        1.0, gt=0, description="Most time one socket keeps the loop before others get a turn"
+    )
     log_level: str = Field("INFO")
 
     @field_validator("monitor_ports")
