@@ -308,3 +308,81 @@ def test_worker_of_another_domain_is_refused_by_the_controller(
         time.sleep(2)
         assert stranger not in prefix_hits(controller, toks)
         assert not registered(controller, stranger)
+
+
+def p2p_lookup_as(stack: ls.LocalStack, name: str, toks: list[int]) -> list[tuple[Any, ...]]:
+    """The P2P lookup instance ``name``'s LMCache P2P backend sends, on the wire it uses:
+    LMCache's own message classes and chunk hashes, a DEALER socket to its controller_reply_url."""
+    import msgspec
+    import torch
+    import zmq
+    from lmcache.v1.cache_controller.message import BatchedP2PLookupMsg, Msg
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.token_database import ChunkedTokenDatabase
+
+    (text,) = stack.running[name].workload.files.values()
+    cfg = yaml.safe_load(text)
+    meta = LMCacheMetadata(
+        model_name="kvpool/reference-tiny",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.float32,
+        kv_shape=(4, 2, CHUNK, 2, 64),
+        chunk_size=CHUNK,
+    )
+    db = ChunkedTokenDatabase(LMCacheEngineConfig.from_dict({"chunk_size": CHUNK}), meta)
+    hashes = [key.chunk_hash for _, _, key in db.process_tokens(tokens=toks)]
+    msg = BatchedP2PLookupMsg(hashes=hashes, instance_id=cfg["lmcache_instance_id"], worker_id=0)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{cfg['controller_reply_url']}")
+        sock.send_multipart([b"", msgspec.msgpack.encode(msg)])
+        reply = msgspec.msgpack.decode(sock.recv_multipart()[-1], type=Msg)
+    finally:
+        sock.close()
+    return [tuple(x) for x in reply.layout_info]  # type: ignore[attr-defined]
+
+
+def test_second_instance_sees_the_first_instance_kv_in_the_index(
+    domain: Domain, record_property: Callable[[str, object], None]
+) -> None:
+    """Instance B of the P2PGroup, started from the same render, finds A's chunks through the
+    controller (the gateway's prefix lookup and the LMCache P2P lookup B itself would send).
+    No KV moves between the processes here (P2P transfer needs NIXL): B prefills itself."""
+    stack, controller = domain.stack, domain.controller.url
+    b = stack.start(stack.prepare("demo-p2p-1"))
+    stack.wait_ready(b, READY_S)
+    me_a = rendered_instance_id(stack, "demo-p2p-0")
+    me_b = rendered_instance_id(stack, "demo-p2p-1")
+    _poll("registration of B", lambda: registered(controller, me_b))
+    msgs = messages("the shared prefix", 80)
+    toks = tokens(b.url, msgs)
+    assert toks == tokens(domain.a.url, msgs)
+    full = len(toks) // CHUNK
+    on_a = chat(domain.a.url, msgs)
+    _poll("A's chunks", lambda: prefix_hits(controller, toks).get(me_a) == full)
+    assert prefix_hits(controller, toks) == {me_a: full}  # B holds nothing yet
+
+    peers = p2p_lookup_as(stack, "demo-p2p-1", toks)
+    (a_text,) = stack.running["demo-p2p-0"].workload.files.values()
+    a_cfg = yaml.safe_load(a_text)
+    if a_cfg.get("enable_p2p"):
+        init = f"{a_cfg['p2p_host']}:{a_cfg['p2p_init_ports'][0]}"
+        assert peers == [(me_a, "LocalCPUBackend", full, init)]
+    else:
+        # A runs with P2P off (deviation p2p-needs-nixl): it registered no P2P endpoint, so
+        # the controller offers no peer to fetch from, although its index holds A's chunks.
+        assert peers == [("", "", 0, "")]
+    record_property("p2p_lookup_from_b", json.dumps(peers))
+
+    on_b = chat(b.url, msgs)
+    assert on_b.cached == 0  # nothing was transferred: B computed its own KV
+    assert on_b.text == on_a.text  # same render, same weights seed: same greedy answer
+    _poll("B's chunks", lambda: prefix_hits(controller, toks).get(me_b) == full)
+    assert prefix_hits(controller, toks) == {me_a: full, me_b: full}
