@@ -37,6 +37,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.fixture
+def free_tcp_port() -> Callable[[], int]:
+    """A function returning a free 127.0.0.1 TCP port each call."""
+    return free_port
+
+
 def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 20) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

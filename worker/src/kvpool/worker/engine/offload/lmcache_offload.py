@@ -35,6 +35,7 @@ from kvpool.worker.engine.offload.connector import (
 )
 from kvpool.worker.engine.offload.storage_ops import (
     close_redis,
+    deregister_first,
     disk_length_ok,
     flush_pending,
     remote_remove,
@@ -539,6 +540,7 @@ class LMCacheOffload:
             try:
                 flush_pending(self._storage, max(0.0, deadline_s * 0.5))
                 close_redis(self._storage)
+                deregister_first(self.engine, min(1.0, deadline_s * 0.2))
                 LMCacheEngineBuilder.destroy(self.instance_id)
             except Exception:
                 logger.exception("closing LMCache engine %s failed", self.instance_id)

@@ -50,7 +50,7 @@ def remote_remove(storage: Any, key: CacheEngineKey) -> bool:
     try:
         store = getattr(conn, "store", None)
         if store is not None and hasattr(store, "remove"):  # Mooncake
-            return bool(store.remove(name) == 0)
+            return bool(store.remove(name, force=True) == 0)  # force: ignore read leases
         client = getattr(conn, "connection", None)
         if client is not None and hasattr(client, "delete"):  # redis.asyncio
             fut = asyncio.run_coroutine_threadsafe(
@@ -133,3 +133,21 @@ def disk_length_ok(storage: Any, key: CacheEngineKey) -> bool:
         logger.warning("chunk file %s has %d bytes, expected %d: a miss", meta.path, have, want)
         return False
     return True
+
+
+def deregister_first(engine: Any, budget_s: float = 1.0) -> bool:
+    """Send LMCache's DeRegister and let it reach the wire before LMCache closes.
+
+    ``LMCacheWorker.close`` queues the message on its loop and stops that loop right away,
+    then closes the PUSH socket with linger 0: the controller never hears it and keeps a dead
+    worker registered. Here the message is queued first and given time to leave.
+    """
+    worker = getattr(engine, "lmcache_worker", None)
+    if worker is None:
+        return False
+    worker.deregister()
+    deadline = time.monotonic() + budget_s
+    while not worker.msg_queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))  # ZMQ's I/O thread sends it
+    return bool(worker.msg_queue.empty())
