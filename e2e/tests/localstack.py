@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -293,7 +294,7 @@ def localize(w: Workload, cmap: ClusterMap, root: Path) -> LocalWorkload:
         flag = argv[i - 1]
         if flag.startswith("--") and not argv[i].startswith("--"):
             argv[i] = _by_key(flag, argv[i], cmap)
-    file_map = {path: str(root / w.name / Path(path).name) for path in sorted(w.files)}
+    file_map = {path: str(root / Path(path).name) for path in sorted(w.files)}
     env = {k: file_map.get(v, _by_key(k, v, cmap)) for k, v in w.env.items()}
     for key, ref in w.field_env.items():
         if ref != "status.podIP":
@@ -575,19 +576,29 @@ class LocalStack:
         self.close()
 
     def prepare(
-        self, name: str, *, edit: Callable[[Workload], None] | None = None
+        self,
+        name: str,
+        *,
+        edit: Callable[[Workload], None] | None = None,
+        gaps: bool = True,
+        as_name: str | None = None,
     ) -> LocalWorkload:
-        """The local form of one workload; ``edit`` changes the rendered form first (a test
-        simulating a hand-edited pod), so the rewrite check still covers everything else."""
+        """The local form of one workload, checked against the render.
+
+        ``edit`` changes the rendered form first (a test simulating a hand-edited pod), so
+        the rewrite check still covers everything else; ``gaps=False`` applies no deviation
+        (to show a gap's failure); ``as_name`` runs it under another process name.
+        """
         if name not in self.rendered:
             raise StackError(f"no workload {name!r}; rendered: {sorted(self.rendered)}")
         w = copy.deepcopy(self.rendered[name])
         if edit is not None:
             edit(w)
-        lw = localize(w, self.cmap, self.root)
-        self.rewrites[name] = check_rewrite(w, lw, self.cmap)
+        lw = localize(w, self.cmap, self.root / (as_name or name))
+        lw.name = as_name or name
+        self.rewrites[lw.name] = check_rewrite(w, lw, self.cmap)
         applied = []
-        for gap in present_gaps(lw):
+        for gap in present_gaps(lw) if gaps else []:
             if gap.key not in self.allow:
                 raise StackError(
                     f"{name}: known gap {gap.key} ({gap.component}): {gap.what}. "
@@ -595,7 +606,7 @@ class LocalStack:
                 )
             gap.apply(lw)
             applied.append(f"{gap.key}: {gap.what}")
-        self.deviations[name] = applied
+        self.deviations[lw.name] = applied
         if w.cpu is not None and w.cpu.isdigit():
             lw.env.setdefault("OMP_NUM_THREADS", w.cpu)
         return lw
@@ -696,3 +707,49 @@ class LocalStack:
             }
             for name, run in self.running.items()
         }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python e2e/tests/localstack.py -f examples/cpu-demo.yaml``: run until Ctrl-C."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("-f", "--filename", required=True, help="KVCachePool (+ members) YAML")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated workloads (default: controller and every P2P instance)",
+    )
+    ap.add_argument("--allow-known-gaps", action="store_true", help="apply KNOWN_GAPS deviations")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    allow = frozenset(g.key for g in KNOWN_GAPS) | {"readiness-path"}
+    try:
+        with LocalStack(
+            render_file(args.filename), allow=allow if args.allow_known_gaps else frozenset()
+        ) as stack:
+            names = [n for n in args.only.split(",") if n] or [
+                n
+                for n, w in stack.rendered.items()
+                if w.component == "controller" or (w.component == "worker" and "wrk-0" in w.ports)
+            ]
+            for name in names:
+                run = stack.start(stack.prepare(name))
+                stack.wait_ready(run)
+                print(f"{name} ready at {run.url}", flush=True)
+            print(json.dumps(stack.manifest(), indent=1), flush=True)
+            print("running; Ctrl-C stops every process", flush=True)
+            stop = threading.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            while not stop.wait(1.0):
+                pass
+    except StackError as exc:
+        print(f"localstack: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -133,9 +133,10 @@ class Domain:
 
 
 @pytest.fixture(scope="module")
-def domain() -> Iterator[Domain]:
+def domain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Domain]:
     """Controller + P2P instance demo-p2p-0 of the rendered demo domain (with deviations)."""
-    with ls.LocalStack(ls.render_file(EXAMPLE), allow=ALLOW) as stack:
+    root = tmp_path_factory.mktemp("stack")
+    with ls.LocalStack(ls.render_file(EXAMPLE), allow=ALLOW, root=root) as stack:
         controller = stack.start(stack.prepare("demo-controller"))
         stack.wait_ready(controller, READY_S)
         a = stack.start(stack.prepare("demo-p2p-0"))
@@ -168,10 +169,9 @@ def test_render_runs_verbatim(tmp_path: Path) -> None:
 def test_known_gaps_fail_for_real(domain: Domain) -> None:
     """Every deviation the other tests apply stands for a real failure of the render as is."""
     stack = domain.stack
-    ctl = ls.localize(stack.rendered["demo-controller"], stack.cmap, stack.root / "verbatim")
+    ctl = stack.prepare("demo-controller", gaps=False, as_name="verbatim-controller")
     if not ls.present_gaps(ctl):
         pytest.skip("the controller accepts its rendered command line")
-    ctl.name = "verbatim-controller"
     run = stack.start(ctl)
     assert run.proc.wait(timeout=60) == 2
     flags = " ".join(a for a in ctl.argv if a in ("--hash-algorithm", "--persistence"))
@@ -186,13 +186,12 @@ def test_known_gaps_fail_for_real(domain: Domain) -> None:
     ]
     applied: list[ls.Deviation] = []
     for key, needle, exits in checks:
-        lw = ls.localize(stack.rendered["demo-p2p-1"], stack.cmap, stack.root / f"v-{key}")
+        lw = stack.prepare("demo-p2p-1", gaps=False, as_name=f"verbatim-{key}")
         for g in applied:
             g.apply(lw)
         gap = next((g for g in ls.present_gaps(lw) if g.key == key), None)
         if gap is None:
             continue
-        lw.name = f"verbatim-{key}"
         run = stack.start(lw)
         try:
             assert run.wait_log(needle, READY_S), run.log_tail()
@@ -255,8 +254,7 @@ def test_hand_edited_pod_is_refused_by_the_worker(domain: Domain, env: str, valu
     before = metric(
         domain.controller.url, "kvpool_controller_messages_total", '{type="RegisterMsg"}'
     )
-    lw = stack.prepare("demo-p2p-1", edit=edit)
-    lw.name = f"edited-{env}"
+    lw = stack.prepare("demo-p2p-1", edit=edit, as_name=f"edited-{env}")
     run = stack.start(lw)
     try:
         assert run.proc.wait(timeout=READY_S) == 2
@@ -287,7 +285,8 @@ def test_worker_of_another_domain_is_refused_by_the_controller(
     controller = domain.controller.url
     refusals = '{reason="fingerprint"}'
     before = metric(controller, "kvpool_controller_refusals_total", refusals)
-    with ls.LocalStack(ls.render_file(other), allow=ALLOW, cluster=domain.stack.cmap) as old:
+    objects = ls.render_file(other)
+    with ls.LocalStack(objects, allow=ALLOW, cluster=domain.stack.cmap, root=tmp_path) as old:
         stranger = rendered_instance_id(old, "demo-p2p-1")
         assert (
             stranger.split("~")[1] != rendered_instance_id(domain.stack, "demo-p2p-0").split("~")[1]
