@@ -41,6 +41,10 @@ def worker_env(pool: KVCachePool, engine: EngineSpec, inst: InstancePorts) -> li
     return out
 
 
+WORKER_SHUTDOWN_DEADLINE_SECONDS = 30
+WORKER_GRACE_SECONDS = WORKER_SHUTDOWN_DEADLINE_SECONDS + 15
+
+
 def worker_command(
     pool: KVCachePool, engine: EngineSpec, tp: int, inst: InstancePorts
 ) -> list[str]:
@@ -73,6 +77,8 @@ def worker_command(
         str(engine.max_model_len),
         "--lmcache-rpc-port",
         inst.name,
+        "--shutdown-deadline",
+        str(WORKER_SHUTDOWN_DEADLINE_SECONDS),
     ]
     if engine.args:
         command += ["--", *engine.args]
@@ -141,12 +147,16 @@ def instance_objects(
         worker_env(pool, engine, inst),
         _port_names(inst),
         k8s.resources(engine.resources, extra_limits),
-        k8s.http_probe(inst.http, "/health"),
+        # vLLM serves /health; kvpool's reference engine serves /readyz (false while draining).
+        k8s.http_probe(inst.http, "/readyz" if engine.platform == "cpu" else "/health"),
     )
     container["volumeMounts"] = mounts
     pod: Obj = {
         "containers": [container],
         "volumes": volumes,
+        # Longer than the worker's SIGTERM deadline (kvpool-worker --shutdown-deadline, 30 s by
+        # default), so it drains, flushes stores and deregisters before the kubelet kills it.
+        "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS,
         **k8s.placement(spec.placement),
     }
     if spec.host_network:

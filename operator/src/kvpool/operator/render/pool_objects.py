@@ -89,7 +89,7 @@ def controller_objects(pool: KVCachePool) -> list[Obj]:
                 k8s.domain_env(pool),
                 port_map,
                 k8s.resources(spec.resources),
-                k8s.http_probe(ports.http, "/health"),
+                k8s.http_probe(ports.http, "/readyz"),
             )
         ],
         **k8s.placement(pool.spec.placement),
@@ -203,7 +203,7 @@ def gateway_objects(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list
                     env_vars,
                     port_map,
                     k8s.resources(spec.resources),
-                    k8s.http_probe(spec.port, "/health"),
+                    k8s.http_probe(spec.port, "/readyz"),
                 ),
                 "volumeMounts": [{"name": "config", "mountPath": "/etc/kvpool/gateway"}],
             }
