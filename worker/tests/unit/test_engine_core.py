@@ -259,3 +259,21 @@ async def test_a_failing_step_fails_its_streams_and_the_engine_keeps_serving() -
         assert len(await collect(eng, "y", prompt(10), max_tokens=3, ignore_eos=True)) == 3
     finally:
         await eng.shutdown(2.0)
+
+
+async def test_request_outgrowing_the_kv_cache_ends_without_repeating_a_token() -> None:
+    """4 blocks of 16 = 64 slots: a 40-token prompt can generate until the cache is full; the
+    final "length" event must not replay the last token (the runtime would print it twice)."""
+    eng = ReferenceEngine(ReferenceEngineOptions(num_kv_blocks=4, block_size=16))
+    await eng.start()
+    try:
+        events = await collect(eng, "big", prompt(40), max_tokens=100, ignore_eos=True)
+    finally:
+        await eng.shutdown(5.0)
+    tokens = [e for e in events if e.token_id >= 0]
+    assert [e.index for e in tokens] == list(range(len(tokens)))
+    assert 0 < len(tokens) <= 64 - 40 + 1
+    assert events[-1].finished
+    assert events[-1].finish_reason == "length"
+    assert events[-1].token_id == ABORT_TOKEN_ID
+    assert sum(e.finished for e in events) == 1

@@ -38,7 +38,7 @@ from kvpool.worker.offload_api import KVOffload
 
 logger = logging.getLogger(__name__)
 
-ABORT_TOKEN_ID = -1  # token_id of the final event of an aborted request (not a token)
+ABORT_TOKEN_ID = -1  # token_id of a final event that carries no token (abort, out of KV)
 
 # Called on the event loop with (request_id, token index, float32 logits row) for every
 # generated token: the hook for logprobs and for the hit/miss logits invariant tests.
@@ -52,7 +52,9 @@ class ReferenceEngine:
     ``finish_reason == "stop"`` its ``token_id`` is the stop or EOS token that ended the
     request (the runtime does not render it). An aborted request (``abort()``, the consumer
     closing the stream, or shutdown) ends with an event whose ``token_id`` is
-    ``ABORT_TOKEN_ID`` (-1, not a token) and ``finish_reason == "abort"``.
+    ``ABORT_TOKEN_ID`` (-1, not a token) and ``finish_reason == "abort"``. A lone request
+    that outgrows the whole KV cache ends with the same no-token marker and
+    ``finish_reason == "length"``: its last real token was already streamed.
     """
 
     def __init__(
@@ -372,8 +374,9 @@ class ReferenceEngine:
         else:
             self._counters["requests_finished_total"] += 1
         if emit:
-            token = ABORT_TOKEN_ID if reason == "abort" else seq.tokens[-1]
-            seq.events.put_nowait(self._final_event(seq, token, reason))
+            # An event emitted here ends the stream without a new token (the last generated
+            # one was already streamed by _apply): it carries the no-token marker.
+            seq.events.put_nowait(self._final_event(seq, ABORT_TOKEN_ID, reason))
         seq.done.set()
 
     def _final_event(self, seq: Seq, token: int, reason: FinishReason) -> TokenEvent:
