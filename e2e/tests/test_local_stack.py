@@ -353,7 +353,8 @@ def test_second_instance_sees_the_first_instance_kv_in_the_index(
 ) -> None:
     """Instance B of the P2PGroup, started from the same render, finds A's chunks through the
     controller (the gateway's prefix lookup and the LMCache P2P lookup B itself would send).
-    No KV moves between the processes here (P2P transfer needs NIXL): B prefills itself."""
+    No KV moves between the processes here (P2P transfer needs NIXL): B prefills itself.
+    When B's pod goes (SIGTERM), it leaves the index and A's entries stay."""
     stack, controller = domain.stack, domain.controller.url
     b = stack.start(stack.prepare("demo-p2p-1"))
     stack.wait_ready(b, READY_S)
@@ -385,3 +386,8 @@ def test_second_instance_sees_the_first_instance_kv_in_the_index(
     assert on_b.text == on_a.text  # same render, same weights seed: same greedy answer
     _poll("B's chunks", lambda: prefix_hits(controller, toks).get(me_b) == full)
     assert prefix_hits(controller, toks) == {me_a: full, me_b: full}
+
+    # The kubelet deletes B's pod: SIGTERM drains, deregisters, exits 0; A's entries stay.
+    assert stack.stop("demo-p2p-1") == 0
+    _poll("B's deregistration", lambda: not registered(controller, me_b))
+    assert prefix_hits(controller, toks) == {me_a: full}
