@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import localstack as ls
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cpu-demo.yaml"
-ALLOW = frozenset(g.key for g in ls.KNOWN_GAPS) | {"readiness-path"}
+ALLOW = frozenset(g.key for g in ls.KNOWN_GAPS)
 READY_S = 150.0
 SETTLE_S = 20.0  # admit events reach the controller asynchronously (LMCache batches them)
 CHUNK = 256
