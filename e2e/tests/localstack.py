@@ -233,7 +233,7 @@ def _address(value: str, cmap: ClusterMap) -> str:
         return value
     scheme, host, port, rest = parts
     if host == BIND_ANY:
-        new_port = cmap.ports.get(port) if port is not None else None
+        new_port = cmap.ports.get(port, port) if port is not None else None
     elif host in cmap.hosts:
         target = cmap.service_ports.get((host, port)) if port is not None else None
         new_port = cmap.ports.get(target) if target is not None else None
@@ -344,7 +344,9 @@ def _allowed(old: Any, new: Any, cmap: ClusterMap, files: Mapping[str, str]) -> 
         return False
     if a[2] is None:
         return b[2] is None
-    target = a[2] if a[1] == BIND_ANY else cmap.service_ports.get((a[1], a[2]))
+    if a[1] == BIND_ANY:
+        return b[2] == cmap.ports.get(a[2], a[2])
+    target = cmap.service_ports.get((a[1], a[2]))
     return target is not None and b[2] == cmap.ports.get(target)
 
 
