@@ -613,7 +613,7 @@ class LocalStack:
             Path(path).write_text(text, encoding="utf-8")
         log = self.root / f"{lw.name}.log"
         argv = [resolve_command(lw.argv[0]), *lw.argv[1:]]
-        with log.open("wb") as out:
+        with log.open("ab") as out:  # a restart appends: the history stays
             proc = subprocess.Popen(
                 argv,
                 env={**base_env(), **lw.env},

@@ -399,3 +399,36 @@ def test_second_instance_sees_the_first_instance_kv_in_the_index(
     assert stack.stop("demo-p2p-1") == 0
     _poll("B's deregistration", lambda: not registered(controller, me_b))
     assert prefix_hits(controller, toks) == {me_a: full}
+
+
+def test_controller_restart_recovers_the_index_by_full_sync(domain: Domain) -> None:
+    """The controller restarts (pod rescheduled, no Redis: the domain renders full-sync
+    persistence); within the rendered heartbeat interval the worker re-registers, sends a
+    full sync, and lookups answer as before."""
+    stack, a = domain.stack, domain.a
+    me = rendered_instance_id(stack, "demo-p2p-0")
+    msgs = messages("the restart", 60)
+    toks = tokens(a.url, msgs)
+    full = len(toks) // CHUNK
+    chat(a.url, msgs)
+    _poll("A's chunks", lambda: prefix_hits(domain.controller.url, toks).get(me) == full)
+    workload = domain.controller.workload
+    assert stack.stop(workload.name) == 0
+    domain.controller = stack.start(workload)  # same rendered command, same local ports
+    stack.wait_ready(domain.controller, READY_S)
+    assert prefix_hits(domain.controller.url, toks) == {}  # a new, empty index
+    (text,) = stack.rendered["demo-p2p-0"].files.values()
+    heartbeat_s = float(yaml.safe_load(text)["lmcache_worker_heartbeat_time"])
+    hits = _poll(
+        "recovery",
+        lambda: prefix_hits(domain.controller.url, toks).get(me) == full,
+        timeout_s=3 * heartbeat_s + SETTLE_S,
+    )
+    assert hits
+    assert re.search(
+        rf"full sync \S+ of {re.escape(me)}/0 completed", domain.controller.log.read_text()
+    )
+    assert (
+        metric(domain.controller.url, "kvpool_controller_full_syncs_total", '{outcome="completed"}')
+        >= 1
+    )
