@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import shutil
@@ -24,6 +25,28 @@ from typing import Any
 
 import httpx
 import pytest
+
+
+def _disarm_lmcache_otel_handler() -> None:
+    """LMCache adds OpenTelemetry's ``LoggingHandler`` to every logger it creates. With no
+    provider configured it forwards nothing, but its non-reentrant lock deadlocks when a
+    garbage-collected LMCache object (a ``MemoryObj`` or a pending task) logs from a finaliser
+    that runs inside another emit — seen here as a hang at the end of the session. Tests
+    replace the class before LMCache is imported; the console handler stays.
+    """
+    try:
+        import opentelemetry.sdk._logs as otel_logs
+    except ImportError:
+        return
+
+    class _Inert(logging.NullHandler):
+        def __init__(self, level: int = logging.NOTSET, logger_provider: Any = None) -> None:
+            super().__init__(level)
+
+    otel_logs.LoggingHandler = _Inert  # type: ignore[misc, assignment]
+
+
+_disarm_lmcache_otel_handler()
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

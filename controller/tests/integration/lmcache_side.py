@@ -141,9 +141,19 @@ class LMCacheSide:
         self.backend.clear()  # releases the memory objects (and sends their evictions)
         self.backend.batched_msg_sender.flush()  # type: ignore[union-attr]
         self.worker.deregister()
-        time.sleep(0.2)  # LMCache's close() stops the loop right after queueing the deregister
-        self.backend.batched_msg_sender.close()  # type: ignore[union-attr]
+        # LMCache's close() stops the loop right after queueing the deregister: let it go out.
+        deadline = time.monotonic() + 10
+        while not self.worker.msg_queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        self.backend.close()  # sender thread, allocator
         self.worker.close()
+        # LMCache's close() leaves its loop's tasks pending; keep the objects alive so their
+        # finalisers run at interpreter exit, not at a random GC in the middle of a test.
+        _CLOSED.append(self)
+
+
+_CLOSED: list[LMCacheSide] = []
 
 
 def main() -> None:
