@@ -14,11 +14,9 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 import contextlib
-import shutil
-import socket
+import importlib.util
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,82 +25,53 @@ from typing import Any
 import pytest
 import torch
 
-BIN = Path(sys.executable).parent
 KV_GEOMETRY = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _load_services() -> Any:
+    """The benchmark's service launchers (worker/bench/services.py): one way to start them."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "services.py"
+    spec = importlib.util.spec_from_file_location("kvpool_worker_bench_services", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+services = _load_services()
+free_port = services.free_port
 
 
 @pytest.fixture
 def free_tcp_port() -> Callable[[], int]:
     """A function returning a free 127.0.0.1 TCP port each call."""
-    return free_port
-
-
-def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} before listening")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s}s")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    return free_port  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
-def started(cmd: list[str], port: int, what: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+def _service(cm: Any) -> Iterator[Any]:
     try:
-        wait_port(port, proc, what)
-        yield proc
+        ctx = cm.__enter__()
+    except services.ServiceUnavailableError as e:
+        pytest.skip(str(e))
+    try:
+        yield ctx
     finally:
-        stop(proc)
-
-
-def _redis_cmd(port: int) -> list[str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-    return [
-        exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-        "--protected-mode", "yes",
-    ]  # fmt: skip
-
-
-@contextlib.contextmanager
-def redis_at(tmp: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = free_port()
-    with started(_redis_cmd(port), port, "redis-server", tmp / f"redis-{port}.log") as proc:
-        yield f"redis://127.0.0.1:{port}", proc
+        cm.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Redis server shared by the session (tests use unique token ids)."""
-    with redis_at(tmp_path_factory.mktemp("redis")) as (url, _):
+    with _service(services.redis_server(tmp_path_factory.mktemp("redis"))) as (url, _):
         yield url
 
 
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A Redis server of this test alone (it may kill it)."""
-    with redis_at(tmp_path) as started_redis:
+    with _service(services.redis_server(tmp_path)) as started_redis:
         yield started_redis
 
 
@@ -113,60 +82,14 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
 
     Yields the LMCache ``remote_url`` and ``extra_config`` that reach it.
     """
-    if not (BIN / "mooncake_master").exists():
-        pytest.skip("mooncake-transfer-engine-non-cuda is not installed")
-    tmp = tmp_path_factory.mktemp("mooncake")
-    meta, master, metrics, store = free_port(), free_port(), free_port(), free_port()
-    metadata_url = f"http://127.0.0.1:{meta}/metadata"
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(
-            started(
-                [str(BIN / "mooncake_http_metadata_server"), "--host", "127.0.0.1",
-                 "--port", str(meta), "--log-level", "WARNING"],
-                meta, "mooncake metadata server", tmp / "metadata.log",
-            )
-        )  # fmt: skip
-        stack.enter_context(
-            started(
-                [str(BIN / "mooncake_master"), "-rpc_address", "127.0.0.1",
-                 "-rpc_port", str(master), "-metrics_host", "127.0.0.1",
-                 "-metrics_port", str(metrics), "-enable_http_metadata_server=false"],
-                master, "mooncake_master", tmp / "master.log",
-            )
-        )  # fmt: skip
-        stack.enter_context(
-            started(
-                [str(BIN / "mooncake_client"), "-host", "127.0.0.1", "-port", str(store),
-                 "-global_segment_size", "512 MB", "-master_server_address",
-                 f"127.0.0.1:{master}", "-metadata_server", metadata_url, "-protocol", "tcp"],
-                store, "mooncake store", tmp / "store.log",
-            )
-        )  # fmt: skip
-        yield {
-            "remote_url": f"mooncakestore://127.0.0.1:{master}/",
-            "extra_config": mooncake_extra_config(metadata_url, f"127.0.0.1:{master}"),
-        }
-
-
-def mooncake_extra_config(metadata_url: str, master: str) -> dict[str, Any]:
-    return {
-        "local_hostname": "127.0.0.1",
-        "metadata_server": metadata_url,
-        "master_server_address": master,
-        # Mooncake 0.3.13's dict setup reads master_server_addr; the prefix forwards it.
-        "mooncake_master_server_addr": master,
-        "protocol": "tcp",
-        "device_name": "",
-        "global_segment_size": 0,
-        "local_buffer_size": 64 * 1024 * 1024,
-        "transfer_timeout": 5,
-    }
+    with _service(services.mooncake_cluster(tmp_path_factory.mktemp("mooncake"), "512 MB")) as mc:
+        yield mc
 
 
 @pytest.fixture
 def lmcache_controller(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """LMCache's own controller (``lmcache_controller``): HTTP API plus ZMQ pull/reply ports."""
-    exe = BIN / "lmcache_controller"
+    exe = services.BIN / "lmcache_controller"
     if not exe.exists():
         pytest.skip("lmcache_controller is not installed")
     http, pull, reply = free_port(), free_port(), free_port()
@@ -174,7 +97,7 @@ def lmcache_controller(tmp_path: Path) -> Iterator[dict[str, Any]]:
         str(exe), "--host", "127.0.0.1", "--port", str(http),
         "--monitor-ports", f'{{"pull": {pull}, "reply": {reply}}}',
     ]  # fmt: skip
-    with started(cmd, http, "lmcache_controller", tmp_path / "controller.log"):
+    with services.started(cmd, http, "lmcache_controller", tmp_path / "controller.log"):
         yield {
             "http": f"http://127.0.0.1:{http}",
             "controller_pull_url": f"127.0.0.1:{pull}",

@@ -38,6 +38,7 @@ def test_wrong_tokens_or_truncation_or_zeroes_fail() -> None:
     chunk = _sealed(torch.float32, tokens)
     assert not guard.verify(chunk, 8, [*tokens[:-1], 99])
     assert not guard.verify(chunk[:, :, :8].contiguous(), 8, tokens[:8])
+    assert not guard.verify(chunk[:, :, :, :10].contiguous(), 8, tokens)
     assert not guard.verify(torch.zeros_like(chunk), 8, tokens)
 
 
@@ -45,3 +46,13 @@ def test_seal_refuses_non_contiguous() -> None:
     chunk = torch.zeros(2, 2, 4, 12)[..., ::2]
     with pytest.raises(ValueError, match="contiguous"):
         guard.seal(chunk, 4, [1, 2, 3, 4])
+
+
+def test_payload_is_a_dense_prefix_of_the_chunk() -> None:
+    chunk = torch.zeros(2, 3, 5, 8 + guard.guard_elems(torch.float32))
+    view = guard.payload(chunk, 8)
+    assert view.shape == (2, 3, 5, 8) and view.is_contiguous()
+    view.fill_(1.0)
+    assert int(chunk.count_nonzero()) == 2 * 3 * 5 * 8
+    guard.seal(chunk, 8, list(range(5)))
+    assert torch.equal(view, torch.ones(2, 3, 5, 8))  # the guard lives after the payload

@@ -8,9 +8,10 @@ live in ``kvpool.kernels.layouts`` (gather/scatter), not here.
 Rules it keeps:
 - KV cache tensors are taken from the call's kwargs every time (``kvcaches``) and never cached:
   upstream caches pointers per device and a retrieve can then write into the wrong cache.
-- Stored chunks are ``[2, L, T, H*D + G]``: the payload plus the integrity guard
-  (:mod:`.guard`). A chunk served from this process's local CPU tier is trusted (it was sealed
-  here or verified on its way in); any other chunk (read back from disk or a remote tier) is
+- Stored chunks are ``[2, L, T, H*D + G]`` to LMCache; their bytes are the dense payload
+  ``[2, L, T, H*D]`` followed by the integrity guard (:mod:`.guard`). A chunk served from
+  this process's local CPU tier is trusted (it was sealed here or verified on its way in);
+  any other chunk (read back from disk or a remote tier) is
   verified before a single byte reaches the paged cache, and the first bad chunk ends the
   retrieve there. Trust is by tier, not by memory object: LMCache reuses memory objects.
 """
@@ -72,7 +73,10 @@ class CPUPagedConnector(GPUConnectorInterface):  # type: ignore[misc]
         kv_caches, slot_mapping, tokens = _store_args(kwargs)
         chunk = _tensor(memory_obj)
         paged_to_chunk(
-            kv_caches, slot_mapping[start:end], chunk[..., : self.hidden], layout=self.layout
+            kv_caches,
+            slot_mapping[start:end],
+            guard.payload(chunk, self.hidden),
+            layout=self.layout,
         )
         guard.seal(chunk, self.hidden, tokens[start:end])
 
@@ -116,7 +120,7 @@ class CPUPagedConnector(GPUConnectorInterface):  # type: ignore[misc]
             good.append((_tensor(memory_obj), start, end))
         for chunk, start, end in good:
             chunk_to_paged(
-                chunk[..., : self.hidden],
+                guard.payload(chunk, self.hidden),
                 kv_caches,
                 slot_mapping[start:end],
                 layout=self.layout,

@@ -2,9 +2,10 @@
 
 Why this module exists: LMCache 0.5.6 moves chunk bytes to disk, Redis and Mooncake without any
 checksum. A truncated file is read with ``readinto`` into a buffer that keeps stale bytes, and a
-flipped byte in Redis comes back as-is: both would become wrong KV, silently. kvpool stores
-each chunk as LMCache's ``KV_2LTD`` tensor ``[2, L, T, H*D]`` widened by a few guard elements
-per row (``[2, L, T, H*D + G]``); the first row's guard holds 16 bytes:
+flipped byte in Redis comes back as-is: both would become wrong KV, silently. kvpool asks
+LMCache for chunks a few elements wider per row (``[2, L, T, H*D + G]``) but does not use them
+row-wise: the chunk's bytes are the payload as a dense ``KV_2LTD`` tensor ``[2, L, T, H*D]``
+(contiguous, so copies stay fast) followed by the spare bytes, whose first 16 hold the guard:
 
 ====== ====== ==========================================================================
 offset size   content
@@ -39,8 +40,14 @@ def guard_elems(dtype: torch.dtype) -> int:
 
 
 def stored_row_width(hidden: int, dtype: torch.dtype) -> int:
-    """Width of one stored row: the KV hidden size (heads × head dim) plus the guard."""
+    """Width of one stored row as LMCache sizes it: the KV hidden size plus the spare."""
     return hidden + guard_elems(dtype)
+
+
+def payload(chunk: torch.Tensor, hidden: int) -> torch.Tensor:
+    """The dense ``[2, L, T, hidden]`` payload at the start of ``chunk`` ``[2, L, T, W]``."""
+    two, layers, tokens, _ = chunk.shape
+    return chunk.view(-1)[: two * layers * tokens * hidden].view(two, layers, tokens, hidden)
 
 
 def _digest(raw: memoryview, guard_off: int, token_ids: Sequence[int]) -> bytes:
@@ -58,7 +65,8 @@ def _raw(chunk: torch.Tensor) -> memoryview:
 
 
 def _guard_offset(chunk: torch.Tensor, hidden: int) -> int:
-    return hidden * chunk.element_size()
+    two, layers, tokens, _ = chunk.shape
+    return two * layers * tokens * hidden * chunk.element_size()
 
 
 def seal(chunk: torch.Tensor, hidden: int, token_ids: Sequence[int]) -> None:

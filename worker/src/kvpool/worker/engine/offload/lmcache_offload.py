@@ -304,10 +304,10 @@ class LMCacheOffload:
             hit = int(self.engine.lookup(tokens[:span], lookup_id=req_id, pin=True))
             mapping = {loc: list(keys) for loc, keys in self.engine.lookup_pins[req_id].items()}
             hit = self._check_disk_lengths(tokens[:hit], mapping)
-            local = set(mapping.get(tiers.BACKEND_OF_TIER[tiers.LOCAL_CPU], ()))
-            report = RetrieveReport(
-                trusted_starts={s for s, _, k in self._chunks(tokens[:hit]) if k in local}
-            )
+            # LMCache maps the prefix to tiers in backend order, local CPU first: those chunks
+            # were sealed here or verified on their way in.
+            local = len(mapping.get(tiers.BACKEND_OF_TIER[tiers.LOCAL_CPU], ()))
+            report = RetrieveReport(trusted_starts={i * self.chunk_size for i in range(local)})
             loaded = 0
             try:
                 if hit > 0:

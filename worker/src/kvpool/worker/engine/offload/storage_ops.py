@@ -30,11 +30,11 @@ REMOTE_BACKEND = "RemoteBackend"
 _REMOVE_TIMEOUT_S = 2.0
 
 
-def _connector(storage: Any) -> tuple[Any, Any] | None:
+def _connector(storage: Any, *, even_if_bypassed: bool = False) -> tuple[Any, Any] | None:
     backend = storage.storage_backends.get(REMOTE_BACKEND)
     if backend is None or backend.connection is None:
         return None
-    if storage.is_backend_bypassed(REMOTE_BACKEND):
+    if not even_if_bypassed and storage.is_backend_bypassed(REMOTE_BACKEND):
         return None
     conn = backend.connection
     return backend, getattr(conn, "_connector", conn)
@@ -97,7 +97,7 @@ def close_redis(storage: Any, timeout_s: float = 2.0) -> bool:
     waiting and the client closed, both on that loop, then the backend forgets the
     connection (its own close then only logs that it had none).
     """
-    found = _connector(storage)
+    found = _connector(storage, even_if_bypassed=True)  # a dead Redis hangs LMCache's close too
     if found is None:
         return False
     backend, conn = found
