@@ -304,3 +304,12 @@ def test_invalid_flag_value_is_refused(tmp_path: Path) -> None:
     result = run_cli(serve_args(70000), base_env())
     assert result.returncode == 2
     assert "port" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_vllm_on_the_cpu_platform_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """The operator renders --platform cpu for reference-engine pods; vLLM cannot run there."""
+    args = ["serve", "--engine", "vllm", "--platform", "cpu", "--print-command"]
+    result = run_cli(args, contract_env(tmp_path))
+    assert result.returncode == 2
+    assert "--engine reference" in result.stderr
+    assert "Traceback" not in result.stderr

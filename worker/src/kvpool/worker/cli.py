@@ -21,6 +21,7 @@ import logging
 import os
 import shlex
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -153,11 +154,17 @@ def enforce_contract(
 
 
 def run_vllm(args: argparse.Namespace, settings: WorkerSettings, env: Mapping[str, str]) -> int:
+    platform = settings.platform
+    if platform == "cpu":
+        raise StartRefusedError(
+            "--engine vllm needs --platform ascend or cuda; on the cpu platform run "
+            "--engine reference (the KVCachePool's P2PGroup/PDPair engine.platform: cpu)"
+        )
     config = enforce_contract(settings, env, devices=True)
     launch = VllmLaunch(
         model=settings.model_dir or settings.model,
         served_model_name=settings.model,
-        platform=settings.platform,
+        platform=platform,
         ascend_connector=settings.ascend_connector,
         block_size=settings.block_size,
         kv_dtype=settings.kv_dtype,
@@ -326,6 +333,13 @@ def _fingerprint(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     return EXIT_OK
 
 
+def _stray_threads() -> bool:
+    main_thread = threading.main_thread()
+    return any(
+        t is not main_thread and t.is_alive() and not t.daemon for t in threading.enumerate()
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     env = dict(os.environ)
@@ -343,6 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = build_reference_engine(settings, env, tokenizer)
     except StartRefusedError as exc:
         print(f"kvpool-worker: {exc}", file=sys.stderr)
+        if _stray_threads():
+            # A failed LMCache start can leave non-daemon threads that would keep a refused
+            # worker alive (and Ready-looking) forever: end the process for real.
+            sys.stderr.flush()
+            hard_exit(EXIT_REFUSED)
         return EXIT_REFUSED
     runtime = WorkerRuntime(engine, tokenizer, session_capacity=settings.session_capacity)
     code = asyncio.run(serve(runtime, settings))

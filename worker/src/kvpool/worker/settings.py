@@ -41,8 +41,8 @@ class WorkerSettings(BaseSettings):
     num_kv_blocks: int = Field(default=_REF.num_kv_blocks, ge=1)
     max_num_seqs: int = Field(default=_REF.max_num_seqs, ge=1)
 
-    # vLLM(-Ascend).
-    platform: Literal["ascend", "cuda"] = "ascend"
+    # vLLM(-Ascend). "cpu" is what the operator renders for the reference engine's pods.
+    platform: Literal["ascend", "cuda", "cpu"] = "ascend"
     ascend_connector: Literal["dynamic", "builtin"] = "dynamic"
     tensor_parallel_size: int = Field(default=1, ge=1)
     lmcache_rpc_port: str | None = None
