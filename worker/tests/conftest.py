@@ -86,19 +86,21 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
         yield mc
 
 
-@pytest.fixture
-def lmcache_controller(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """LMCache's own controller (``lmcache_controller``): HTTP API plus ZMQ pull/reply ports."""
-    exe = services.BIN / "lmcache_controller"
+@pytest.fixture(params=["lmcache_controller", "kvpool-controller"])
+def kv_controller(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A KV controller speaking LMCache's protocol, started with LMCache's controller flags:
+    LMCache's own (``lmcache_controller``) and kvpool's (``kvpool-controller``)."""
+    exe = services.BIN / request.param
     if not exe.exists():
-        pytest.skip("lmcache_controller is not installed")
+        pytest.skip(f"{request.param} is not installed")
     http, pull, reply = free_port(), free_port(), free_port()
     cmd = [
         str(exe), "--host", "127.0.0.1", "--port", str(http),
         "--monitor-ports", f'{{"pull": {pull}, "reply": {reply}}}',
     ]  # fmt: skip
-    with services.started(cmd, http, "lmcache_controller", tmp_path / "controller.log"):
+    with services.started(cmd, http, request.param, tmp_path / "controller.log"):
         yield {
+            "name": request.param,
             "http": f"http://127.0.0.1:{http}",
             "controller_pull_url": f"127.0.0.1:{pull}",
             "controller_reply_url": f"127.0.0.1:{reply}",

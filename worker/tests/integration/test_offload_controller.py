@@ -1,4 +1,6 @@
-"""Registration and admit/evict events reach LMCache's own controller (a real subprocess).
+"""Registration and admit/evict events reach the controller: LMCache's own and kvpool's.
+
+Both run as real subprocesses started with LMCache's controller flags.
 
 The worker registers through LMCache's worker client (``enable_controller``); the controller's
 ``/lookup`` sees this worker's chunks after a store, stops seeing them after an evict, and the
@@ -29,7 +31,7 @@ def poll(fn: Callable[[], Any], want: Callable[[Any], bool], timeout_s: float = 
 def test_controller_sees_admits_evicts_and_deregistration(
     make_offload: Callable[..., LMCacheOffload],
     paged_kv: Callable[..., Any],
-    lmcache_controller: dict[str, Any],
+    kv_controller: dict[str, Any],
     free_tcp_port: Callable[[], int],
 ) -> None:
     instance = "ctl-worker-0"
@@ -38,13 +40,13 @@ def test_controller_sees_admits_evicts_and_deregistration(
             "local_cpu": True,
             "enable_controller": True,
             "lmcache_instance_id": instance,
-            "controller_pull_url": lmcache_controller["controller_pull_url"],
-            "controller_reply_url": lmcache_controller["controller_reply_url"],
+            "controller_pull_url": kv_controller["controller_pull_url"],
+            "controller_reply_url": kv_controller["controller_reply_url"],
             "lmcache_worker_ports": [free_tcp_port()],
         }
     )
     tokens = torch.randint(3, 8000, (800,), generator=torch.Generator().manual_seed(31)).tolist()
-    http = httpx.Client(base_url=lmcache_controller["http"], timeout=5)
+    http = httpx.Client(base_url=kv_controller["http"], timeout=5)
 
     def lookup() -> dict[str, Any]:
         r = http.post("/lookup", json={"tokens": tokens})
