@@ -17,12 +17,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from kvpool.controller import fullsync
 from kvpool.controller import protocol as p
 from kvpool.controller.control import ControlError, ControlPlane
 from kvpool.controller.deltas import Delta, DeltaOp, LocationEntry, Snapshot, WorkerEntry
 from kvpool.controller.index import ChunkIndex
 from kvpool.controller.metrics import Metrics
-from kvpool.controller.registry import Registry, SyncState, WorkerRecord, check_fingerprint
+from kvpool.controller.registry import Registry, WorkerRecord, check_fingerprint
 from kvpool.controller.settings import ControllerSettings
 from kvpool.controller.tokens import chunk_hashes
 
@@ -82,7 +83,7 @@ class ControllerService:
                 "bad input (%s): %s; further %s inputs are only counted", kind, detail, kind
             )
 
-    def _emit(
+    def emit(
         self,
         op: DeltaOp,
         instance_id: str,
@@ -165,7 +166,7 @@ class ControllerService:
             logger.info("worker %s/%s registered at %s", instance_id, worker_id, record.url)
         if self.control is not None:
             self.control.set_worker(instance_id, worker_id, record.url)
-        self._emit(
+        self.emit(
             DeltaOp.WORKER_UP, instance_id, worker_id, url=record.url, peer_init_url=peer_init_url
         )
         return None
@@ -173,7 +174,7 @@ class ControllerService:
     def _drop_worker_keys(self, instance_id: str, worker_id: int) -> int:
         removed = 0
         for location in self.index.locations_of(instance_id, worker_id):
-            self._emit(DeltaOp.CLEAR, instance_id, worker_id, location)
+            self.emit(DeltaOp.CLEAR, instance_id, worker_id, location)
         removed = self.index.remove_worker(instance_id, worker_id)
         return removed
 
@@ -184,7 +185,7 @@ class ControllerService:
         removed = self._drop_worker_keys(instance_id, worker_id)
         if self.control is not None:
             self.control.drop_worker(instance_id, worker_id)
-        self._emit(DeltaOp.WORKER_DOWN, instance_id, worker_id)
+        self.emit(DeltaOp.WORKER_DOWN, instance_id, worker_id)
         logger.info(
             "worker %s/%s removed (%s); %d chunk-locations dropped",
             instance_id,
@@ -242,13 +243,13 @@ class ControllerService:
                         f"deregister of unknown worker {msg.instance_id}/{msg.worker_id}",
                     )
             case p.FullSyncBatchMsg():
-                self._sync_batch(msg)
+                fullsync.sync_batch(self, msg)
             case p.FullSyncEndMsg():
-                self._sync_end(msg)
+                fullsync.sync_end(self, msg)
             case _:
                 self.bad("unexpected_type", f"{name} is not a push message")
 
-    def _worker_for_event(self, instance_id: str, worker_id: int) -> WorkerRecord | None:
+    def worker_for_event(self, instance_id: str, worker_id: int) -> WorkerRecord | None:
         record = self.registry.get(instance_id, worker_id)
         if record is None:
             if instance_id in self._refused:
@@ -265,7 +266,7 @@ class ControllerService:
     def _kv_batch(
         self, instance_id: str, worker_id: int, location: str, operations: list[p.KVOpEvent]
     ) -> None:
-        record = self._worker_for_event(instance_id, worker_id)
+        record = self.worker_for_event(instance_id, worker_id)
         if record is None or not operations:
             return
         if self.registry.is_syncing(record):
@@ -326,79 +327,10 @@ class ControllerService:
     ) -> None:
         if op is p.OpType.ADMIT:
             self.index.admit(instance_id, worker_id, location, keys)
-            self._emit(DeltaOp.ADMIT, instance_id, worker_id, location, keys)
+            self.emit(DeltaOp.ADMIT, instance_id, worker_id, location, keys)
         else:
             self.index.evict(instance_id, worker_id, location, keys)
-            self._emit(DeltaOp.EVICT, instance_id, worker_id, location, keys)
-
-    # ------------------------------------------------------------------ full sync
-
-    def _sync_start(self, msg: p.FullSyncStartMsg) -> p.FullSyncStartRetMsg:
-        record = self.registry.get(msg.instance_id, msg.worker_id)
-        if record is None:
-            return p.FullSyncStartRetMsg(msg.sync_id, False, "worker not registered")
-        error = self.registry.start_sync(
-            record, msg.location, msg.sync_id, msg.total_keys, msg.batch_count, self.clock()
-        )
-        if error is not None:
-            return p.FullSyncStartRetMsg(msg.sync_id, False, error)
-        self.metrics.full_syncs["started"] += 1
-        logger.info(
-            "full sync %s of %s/%s started: %d keys in %d batches",
-            msg.sync_id,
-            msg.instance_id,
-            msg.worker_id,
-            msg.total_keys,
-            msg.batch_count,
-        )
-        return p.FullSyncStartRetMsg(msg.sync_id, True)
-
-    def _sync_batch(self, msg: p.FullSyncBatchMsg) -> None:
-        record = self._worker_for_event(msg.instance_id, msg.worker_id)
-        if record is None:
-            return
-        if not self.registry.sync_batch(record, msg.sync_id, msg.batch_id, msg.keys, self.clock()):
-            self.bad("sync_batch", f"batch {msg.batch_id} of unknown sync {msg.sync_id}")
-
-    def _sync_end(self, msg: p.FullSyncEndMsg) -> None:
-        record = self._worker_for_event(msg.instance_id, msg.worker_id)
-        if record is None:
-            return
-        sync = self.registry.end_sync(record, msg.sync_id, self.clock())
-        if sync is None:
-            self.bad("sync_end", f"end of unknown sync {msg.sync_id}")
-            return
-        keys = sync.keys
-        sync.keys = []
-        self.index.replace(msg.instance_id, msg.worker_id, sync.location, keys)
-        self._emit(DeltaOp.REPLACE, msg.instance_id, msg.worker_id, sync.location, keys)
-        self.metrics.full_syncs["completed"] += 1
-        if len(keys) != msg.actual_total_keys or sync.missing_batches():
-            logger.warning(
-                "full sync %s of %s/%s: %d keys received, worker reported %d",
-                msg.sync_id,
-                msg.instance_id,
-                msg.worker_id,
-                len(keys),
-                msg.actual_total_keys,
-            )
-        logger.info(
-            "full sync %s of %s/%s completed: %d keys",
-            msg.sync_id,
-            msg.instance_id,
-            msg.worker_id,
-            len(keys),
-        )
-
-    def _sync_status(self, msg: p.FullSyncStatusMsg) -> p.FullSyncStatusRetMsg:
-        record = self.registry.get(msg.instance_id, msg.worker_id)
-        sync = record.sync if record is not None else None
-        ours = sync is not None and sync.sync_id == msg.sync_id
-        complete = ours and sync is not None and sync.state is SyncState.COMPLETED
-        missing = sync.missing_batches() if ours and sync is not None else []
-        progress = self.registry.sync_progress()
-        can_exit = complete or progress >= self.settings.full_sync_completion_threshold
-        return p.FullSyncStatusRetMsg(msg.sync_id, complete, progress, can_exit, missing)
+            self.emit(DeltaOp.EVICT, instance_id, worker_id, location, keys)
 
     # ------------------------------------------------------------------ requests
 
@@ -420,9 +352,9 @@ class ControllerService:
                 extra = {"heartbeat_url": self.heartbeat_url} if self.heartbeat_url else {}
                 return p.RegisterRetMsg(extra)
             case p.FullSyncStartMsg():
-                return self._sync_start(msg)
+                return fullsync.sync_start(self, msg)
             case p.FullSyncStatusMsg():
-                return self._sync_status(msg)
+                return fullsync.sync_status(self, msg)
             case _:
                 self.bad("unexpected_type", f"{name} is not a worker request")
                 return p.ErrorMsg(f"Unknown message type: {name}")
