@@ -5,10 +5,7 @@ sees LMCache. Inside: the CPU paged connector, the chunk integrity guard, tier h
 LMCache engine wrapper.
 """
 
-from kvpool.worker.engine.offload.lmcache_offload import (
-    LMCacheOffload,
-    OffloadConfigError,
-    load_config,
-)
+from kvpool.worker.engine.offload.config import OffloadConfigError, load_config
+from kvpool.worker.engine.offload.lmcache_offload import LMCacheOffload
 
 __all__ = ["LMCacheOffload", "OffloadConfigError", "load_config"]

@@ -65,6 +65,24 @@ class CPUPagedConnector(GPUConnectorInterface):  # type: ignore[misc]
         self.layout: PagedLayout = layout
         self.row_width = guard.stored_row_width(self.hidden, dtype)
 
+    def check_caches(
+        self, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, block_size: int
+    ) -> None:
+        """ValueError naming what is wrong when the engine's caches do not fit this connector."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches: expected {self.num_layers} layers, got {len(kv_caches)}")
+        shape = tuple(kv_caches[0].shape)
+        want = (block_size, self.hidden)
+        if len(shape) != 5 or shape[0] != 2 or (shape[2], shape[3] * shape[4]) != want:
+            raise ValueError(
+                f"kv_caches: expected [2, num_blocks, {block_size}, heads, head_dim] per layer "
+                f"(vLLM flash NHD, heads x head_dim = {self.hidden}), got {list(shape)}"
+            )
+        if kv_caches[0].dtype != self.dtype:
+            raise ValueError(f"kv_caches: dtype {kv_caches[0].dtype} != {self.dtype}")
+        if slot_mapping.dim() != 1:
+            raise ValueError("slot_mapping must be 1-D (one slot per token)")
+
     # --- LMCache interface -----------------------------------------------------------------
     def get_shape(self, num_tokens: int) -> torch.Size:
         return torch.Size([2, self.num_layers, num_tokens, self.row_width])

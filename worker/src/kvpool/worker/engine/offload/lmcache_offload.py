@@ -17,7 +17,6 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
 from kvpool.worker.engine.offload import tiers
+from kvpool.worker.engine.offload.config import OffloadConfigError, kv_dtype, load_config
 from kvpool.worker.engine.offload.connector import (
     REPORT_KW,
     TOKENS_KW,
@@ -42,39 +42,6 @@ from kvpool.worker.engine.offload.storage_ops import (
 )
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class OffloadConfigError(ValueError):
-    """The LMCache configuration or the KV shape cannot be used; the message names the fix."""
-
-
-def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> LMCacheEngineConfig:
-    """An LMCache engine config from a YAML file path or a dict, with a clear error."""
-    try:
-        if isinstance(source, Mapping):
-            return LMCacheEngineConfig.from_dict(dict(source))
-        path = Path(source)
-        if not path.is_file():
-            raise OffloadConfigError(
-                f"LMCache config file {str(path)!r} does not exist: set LMCACHE_CONFIG_FILE "
-                "to the rendered config"
-            )
-        return LMCacheEngineConfig.from_file(str(path))
-    except OffloadConfigError:
-        raise
-    except Exception as e:  # LMCache raises ValueError/KeyError/yaml errors
-        raise OffloadConfigError(f"invalid LMCache config ({source!r}): {e}") from e
-
-
-def _dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise OffloadConfigError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}") from None
 
 
 def _leading_true(mask: torch.Tensor) -> int:
@@ -125,7 +92,7 @@ class LMCacheOffload:
         self.chunk_size: int = int(cfg.chunk_size)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size = block_size
-        self.dtype = _dtype(dtype)
+        self.dtype = kv_dtype(dtype)
         self.model_name = model_name
         self.tiers = tiers.configured_tiers(cfg)
         self.connector = CPUPagedConnector(
@@ -199,22 +166,7 @@ class LMCacheOffload:
         return [k.to_string() for _, _, k in self._chunks(token_ids)]
 
     def _check_caches(self, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor) -> None:
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"kv_caches: expected {self.num_layers} layers, got {len(kv_caches)}")
-        shape = tuple(kv_caches[0].shape)
-        if (
-            len(shape) != 5
-            or shape[0] != 2
-            or shape[2:] != (self.block_size, self.num_kv_heads, self.head_dim)
-        ):
-            raise ValueError(
-                f"kv_caches: expected [2, num_blocks, {self.block_size}, {self.num_kv_heads}, "
-                f"{self.head_dim}] per layer (vLLM flash NHD), got {list(shape)}"
-            )
-        if kv_caches[0].dtype != self.dtype:
-            raise ValueError(f"kv_caches: dtype {kv_caches[0].dtype} != {self.dtype}")
-        if slot_mapping.dim() != 1:
-            raise ValueError("slot_mapping must be 1-D (one slot per token)")
+        self.connector.check_caches(kv_caches, slot_mapping, self.block_size)
 
     def _refresh_health(self) -> None:
         h = self._remote_health
@@ -223,7 +175,8 @@ class LMCacheOffload:
         changed = h.refresh()
         if changed is not None:
             self._storage.set_backend_bypass(tiers.REMOTE_BACKEND, not changed)
-            self._count(f"tier_down_events.{h.tier}", 0.0 if changed else 1.0)
+            if not changed:
+                self._count(f"tier_down_events.{h.tier}")
 
     def _drop_chunk(self, key: CacheEngineKey) -> None:
         """Remove a chunk that failed verification from every tier (local and remote)."""
@@ -333,8 +286,11 @@ class LMCacheOffload:
                         self._drop_chunk(by_start[start])
             self._account_loaded(mapping, loaded)
             loaded = min(loaded, n)
-            self._count("lookup_hit_tokens" if loaded else "lookup_miss_requests", loaded or 1)
             self._count("lookup_requests")
+            if loaded:
+                self._count("lookup_hit_tokens", loaded)
+            else:
+                self._count("lookup_miss_requests")
             return loaded
 
     def _check_disk_lengths(
@@ -449,30 +405,7 @@ class LMCacheOffload:
             return unpinned_to
 
     def memory_stats(self) -> dict[str, object]:
-        cfg = self.config
-        gib = 1024**3
-        out: dict[str, dict[str, object]] = {}
-        sb = self._storage.storage_backends
-        cpu = sb.get("LocalCPUBackend")
-        if cpu is not None:
-            with cpu.cpu_lock:
-                objs = list(cpu.hot_cache.values())
-            out[tiers.LOCAL_CPU] = {
-                "chunks": len(objs),
-                "bytes": sum(o.get_size() for o in objs),
-                "capacity_bytes": int(cfg.max_local_cpu_size * gib),
-                "up": True,
-            }
-        disk = sb.get("LocalDiskBackend")
-        if disk is not None:
-            with disk.disk_lock:
-                chunks = len(disk.dict)
-            out[tiers.LOCAL_DISK] = {
-                "chunks": chunks,
-                "bytes": int(disk.usage),
-                "capacity_bytes": int(cfg.max_local_disk_size * gib),
-                "up": True,
-            }
+        out = tiers.local_tier_stats(self._storage, self.config)
         if self._remote_health is not None:
             out[self._remote_health.tier] = {
                 "chunks": None,  # shared by every worker of the pool; the controller counts

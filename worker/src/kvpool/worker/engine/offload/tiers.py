@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 from lmcache.v1.config import LMCacheEngineConfig
@@ -127,3 +128,30 @@ class RemoteHealth:
         if ok:
             logger.warning("tier %s at %s:%d answers again: using it", self.tier, *self.address)
         return ok
+
+
+def local_tier_stats(storage: Any, config: LMCacheEngineConfig) -> dict[str, dict[str, object]]:
+    """Chunks, bytes, capacity of the local CPU and local disk tiers, read under their locks."""
+    gib = 1024**3
+    out: dict[str, dict[str, object]] = {}
+    cpu = storage.storage_backends.get(BACKEND_OF_TIER[LOCAL_CPU])
+    if cpu is not None:
+        with cpu.cpu_lock:
+            objs = list(cpu.hot_cache.values())
+        out[LOCAL_CPU] = {
+            "chunks": len(objs),
+            "bytes": sum(o.get_size() for o in objs),
+            "capacity_bytes": int(config.max_local_cpu_size * gib),
+            "up": True,
+        }
+    disk = storage.storage_backends.get(BACKEND_OF_TIER[LOCAL_DISK])
+    if disk is not None:
+        with disk.disk_lock:
+            chunks = len(disk.dict)
+        out[LOCAL_DISK] = {
+            "chunks": chunks,
+            "bytes": int(disk.usage),
+            "capacity_bytes": int(config.max_local_disk_size * gib),
+            "up": True,
+        }
+    return out

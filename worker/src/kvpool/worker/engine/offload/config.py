@@ -1,0 +1,50 @@
+"""Loading the LMCache configuration and the KV dtype for ``LMCacheOffload``, with errors that
+name the field and the fix.
+
+Why this module exists: the config arrives as the operator-rendered YAML file
+(``LMCACHE_CONFIG_FILE``) or as a dict (tests, the benchmark); a bad one must fail at startup
+with a sentence a person can act on, never a stack trace from deep inside LMCache.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lmcache.v1.config import LMCacheEngineConfig
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class OffloadConfigError(ValueError):
+    """The LMCache configuration or the KV shape cannot be used; the message names the fix."""
+
+
+def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> LMCacheEngineConfig:
+    """An LMCache engine config from a YAML file path or a dict, with a clear error."""
+    try:
+        if isinstance(source, Mapping):
+            return LMCacheEngineConfig.from_dict(dict(source))
+        path = Path(source)
+        if not path.is_file():
+            raise OffloadConfigError(
+                f"LMCache config file {str(path)!r} does not exist: set LMCACHE_CONFIG_FILE "
+                "to the rendered config"
+            )
+        return LMCacheEngineConfig.from_file(str(path))
+    except OffloadConfigError:
+        raise
+    except Exception as e:  # LMCache raises ValueError/KeyError/yaml errors
+        raise OffloadConfigError(f"invalid LMCache config ({source!r}): {e}") from e
+
+
+def kv_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise OffloadConfigError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}") from None
