@@ -98,7 +98,7 @@ def mooncake_extra_config(metadata_url: str, master: str) -> dict[str, Any]:
 def mooncake_cluster(tmp: Path, segment: str = "1 GB") -> Iterator[dict[str, Any]]:
     """Master, HTTP metadata server and a standalone store holding ``segment`` of memory.
 
-    Yields ``remote_url`` and ``extra_config`` for LMCache.
+    Yields ``remote_url`` and ``extra_config`` for LMCache, and the master's process.
     """
     if not (BIN / "mooncake_master").exists():
         raise ServiceUnavailableError("mooncake-transfer-engine-non-cuda is not installed")
@@ -112,7 +112,7 @@ def mooncake_cluster(tmp: Path, segment: str = "1 GB") -> Iterator[dict[str, Any
                 meta, "mooncake metadata server", tmp / "mooncake-metadata.log",
             )
         )  # fmt: skip
-        stack.enter_context(
+        master_proc = stack.enter_context(
             started(
                 [str(BIN / "mooncake_master"), "-rpc_address", "127.0.0.1",
                  "-rpc_port", str(master), "-metrics_host", "127.0.0.1",
@@ -131,4 +131,5 @@ def mooncake_cluster(tmp: Path, segment: str = "1 GB") -> Iterator[dict[str, Any
         yield {
             "remote_url": f"mooncakestore://127.0.0.1:{master}/",
             "extra_config": mooncake_extra_config(metadata_url, f"127.0.0.1:{master}"),
+            "master_process": master_proc,
         }

@@ -86,6 +86,13 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
         yield mc
 
 
+@pytest.fixture
+def private_mooncake(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A Mooncake cluster of this test alone (it may kill its master)."""
+    with _service(services.mooncake_cluster(tmp_path, "256 MB")) as mc:
+        yield mc
+
+
 @pytest.fixture(params=["lmcache_controller", "kvpool-controller"])
 def kv_controller(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
     """A KV controller speaking LMCache's protocol, started with LMCache's controller flags:

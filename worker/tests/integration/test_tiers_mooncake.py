@@ -7,6 +7,7 @@ process reads it bit-exact; eviction removes it from the store.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,3 +69,32 @@ def test_evict_from_mooncake(
     assert off.lookup(tokens) == 768
     assert off.evict(token_ids=tokens[:512], locations=["mooncake"]) == 2
     assert off.lookup(tokens) == 0
+
+
+def test_mooncake_master_down_is_skipped_and_requests_are_served(
+    make_offload: Callable[..., LMCacheOffload],
+    paged_kv: Callable[..., Any],
+    private_mooncake: dict[str, Any],
+) -> None:
+    config = {**remote_only(private_mooncake), "local_cpu": True}
+    off = make_offload(config, probe_interval_s=0.05)
+    src, dst = paged_kv(seed=23), paged_kv(zeros=True)
+    a, b = tokens_for(23), tokens_for(24)
+    off.store(a, src, torch.arange(800))
+    assert off.flush(10)
+    master = private_mooncake["master_process"]
+    master.kill()
+    master.wait(5)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    assert off.retrieve(a, 768, dst, torch.arange(800) + 1000) == 768  # from local_cpu
+    off.store(b, src, torch.arange(800))
+    assert off.lookup(b) == 768
+    assert time.monotonic() - t0 < 5.0
+    for x, y in zip(rows(src, torch.arange(768)), rows(dst, torch.arange(768) + 1000), strict=True):
+        assert torch.equal(x, y)
+    m = off.metrics()
+    assert m["tier_up.mooncake"] == 0.0
+    assert m["tier_errors.mooncake"] >= 1
+    off.close(10)
+    assert off.closed_cleanly
