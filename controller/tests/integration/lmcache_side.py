@@ -83,6 +83,9 @@ class LMCacheSide:
                 "full_sync_startup_delay_s": 0.0,
                 "full_sync_status_poll_interval_s": 0.2,
                 "full_sync_batch_interval_ms": 0,
+                # LMCache waits this long for a reply to a heartbeat sent just before the
+                # controller died (default 30 s) before it retries; kvpool renders it short.
+                "worker_socket_recv_timeout_ms": 3000,
             },
         }
         if heartbeat_s:
