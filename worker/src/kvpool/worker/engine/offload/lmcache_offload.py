@@ -43,6 +43,8 @@ from kvpool.worker.engine.offload.storage_ops import (
 
 logger = logging.getLogger(__name__)
 
+_MAX_UNCONFIRMED = 4096  # remote writes flush() waits for (the most recent ones)
+
 
 def _leading_true(mask: torch.Tensor) -> int:
     if mask.numel() == 0 or bool(mask.all()):
@@ -226,6 +228,7 @@ class LMCacheOffload:
                 self._unconfirmed_remote.extend(
                     k for s, _, k in self._chunks(tokens[:storable]) if s >= done
                 )
+                del self._unconfirmed_remote[:-_MAX_UNCONFIRMED]  # bounded: flush may never come
             for tier in self.tiers:
                 if tier in tiers.BACKEND_OF_TIER or self._remote_up():
                     self._count(f"stored_bytes.{tier}", nbytes)
@@ -451,6 +454,8 @@ class LMCacheOffload:
                     return True
             if time.monotonic() >= deadline:
                 logger.warning("%d chunk writes to the remote tier not visible yet", len(keys))
+                with self._lock:
+                    keys.clear()  # lost or evicted remotely; the next flush starts afresh
                 return False
             time.sleep(0.02)
 
