@@ -108,8 +108,14 @@ def create_app(server: ControllerServer) -> FastAPI:
         r = await orch(p.QueryInstMsg(new_id("QueryInst"), req.ip), p.QueryInstRetMsg)
         return {"event_id": r.event_id, "res": r.instance_id}
 
+    def refuse_tokens() -> None:
+        error = svc.settings.tokens_lookup_error
+        if error is not None:
+            raise HTTPException(status_code=400, detail=error)
+
     @app.post("/lookup")
     async def lookup(req: LookupRequest) -> dict[str, Any]:
+        refuse_tokens()
         r = await orch(p.LookupMsg(new_id("Lookup"), req.tokens), p.LookupRetMsg)
         return {"event_id": r.event_id, "layout_info": r.layout_info}
 
@@ -170,6 +176,7 @@ def create_app(server: ControllerServer) -> FastAPI:
         if req.hashes is not None:
             hashes = req.hashes
         else:
+            refuse_tokens()
             hashes = chunk_hashes(req.tokens or [], req.chunk_size or svc.settings.chunk_size)
         return {"chunks": len(hashes), "instances": svc.prefix_lookup(hashes)}
 

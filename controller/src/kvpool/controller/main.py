@@ -59,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--snapshot-port", type=int, help="ZMQ ROUTER port answering snapshots")
     ap.add_argument("--control-timeout", type=float, dest="control_timeout_s")
     ap.add_argument("--chunk-size", type=int, help="tokens per chunk for token lookups")
+    ap.add_argument(
+        "--hash-algorithm",
+        help="the domain's pre_caching_hash_algorithm (token lookups need builtin)",
+    )
+    ap.add_argument(
+        "--persistence",
+        choices=["auto", "redis", "full-sync"],
+        help="index recovery after a restart (default auto: redis if --redis-url, else full-sync)",
+    )
     ap.add_argument("--log-level", help="DEBUG, INFO, WARNING...")
     return ap
 

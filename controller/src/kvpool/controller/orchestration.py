@@ -63,6 +63,8 @@ async def handle_orchestration(svc: ControllerService, msg: Any) -> Any:
 async def _dispatch(svc: ControllerService, msg: Any) -> Any:
     match msg:
         case p.LookupMsg():
+            if svc.settings.tokens_lookup_error is not None:
+                return p.ErrorMsg(svc.settings.tokens_lookup_error)
             return p.LookupRetMsg(msg.event_id, svc.lookup_tokens(msg.tokens))
         case p.QueryInstMsg():
             return p.QueryInstRetMsg(msg.event_id, svc.registry.instance_by_ip(msg.ip))

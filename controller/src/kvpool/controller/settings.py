@@ -8,6 +8,8 @@ Validation names the field and the fix instead of failing later on a socket.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -57,7 +59,18 @@ class ControllerSettings(BaseSettings):
     redis_batch_keys: int = Field(50_000, gt=0, description="Keys per Redis pipeline")
     full_sync_completion_threshold: float = Field(0.8, ge=0, le=1)
     full_sync_timeout_s: float = Field(300.0, gt=0)
+    persistence: Literal["auto", "redis", "full-sync"] = Field(
+        "auto",
+        description="How a restarted controller recovers its index: redis (write-behind and "
+        "reload; needs redis_url), full-sync (ask every worker for its keys), auto (redis when "
+        "redis_url is set, else full-sync)",
+    )
     chunk_size: int = Field(256, gt=0, description="Tokens per chunk for token lookups")
+    hash_algorithm: str = Field(
+        "builtin",
+        description="The domain's pre_caching_hash_algorithm. Token lookups hash like LMCache's "
+        "builtin algorithm; with any other, callers must send chunk hashes",
+    )
     drain_batch: int = Field(512, gt=0, description="Most frames handled per loop turn per socket")
     drain_budget_ms: float = Field(
         1.0, gt=0, description="Most time one socket keeps the loop before others get a turn"
@@ -99,6 +112,31 @@ class ControllerSettings(BaseSettings):
                 "or set KVPOOL_DOMAIN_FINGERPRINT"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_persistence(self) -> ControllerSettings:
+        if self.persistence == "redis" and not self.redis_url:
+            raise ValueError(
+                "persistence is 'redis' but no redis_url is set; pass --redis-url "
+                "redis://host:port/db or use --persistence full-sync"
+            )
+        if self.persistence == "full-sync" and self.redis_url:
+            raise ValueError(
+                "persistence is 'full-sync' but redis_url is set; drop --redis-url or use "
+                "--persistence redis"
+            )
+        return self
+
+    @property
+    def tokens_lookup_error(self) -> str | None:
+        """Why token lookups cannot be answered (None when they can)."""
+        if self.hash_algorithm == "builtin":
+            return None
+        return (
+            f"this domain hashes chunks with {self.hash_algorithm!r}; the controller hashes "
+            "tokens only with LMCache's builtin algorithm: send chunk hashes to "
+            "/v1/prefix_lookup instead of tokens"
+        )
 
     @property
     def purge_enabled(self) -> bool:

@@ -1,0 +1,83 @@
+"""The flags the operator renders for the controller, and what they change.
+
+The operator (kvpool.operator.render) starts the controller with ``--chunk-size``,
+``--hash-algorithm`` and ``--persistence``; an e2e run showed the controller refusing them.
+Here: the rendered command line parses; inconsistent persistence is refused naming the fix;
+a domain that does not hash with LMCache's builtin algorithm gets a 400 (not silently wrong
+hashes, i.e. 0 % hits) for token lookups, while hash lookups keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from kvpool.controller import protocol as p
+from kvpool.controller.api import create_app
+from kvpool.controller.main import settings_from_args
+from kvpool.controller.server import ControllerServer
+from kvpool.controller.settings import ControllerSettings
+
+RENDERED = [
+    "--host", "0.0.0.0", "--port", "9000",
+    "--monitor-ports", '{"pull": 8300, "reply": 8400, "heartbeat": 8500}',
+    "--health-check-interval", "10", "--lmcache-worker-timeout", "60",
+    "--advertise-host", "demo-controller.default.svc",
+    "--chunk-size", "256", "--hash-algorithm", "builtin", "--persistence", "full-sync",
+]  # fmt: skip
+
+
+def test_the_rendered_command_line_parses() -> None:
+    s = settings_from_args(RENDERED)
+    assert s.persistence == "full-sync"
+    assert s.hash_algorithm == "builtin"
+    assert s.chunk_size == 256
+    assert s.tokens_lookup_error is None
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"persistence": "redis"}, "--redis-url"),
+        ({"persistence": "full-sync", "redis_url": "redis://127.0.0.1:1/0"}, "--persistence redis"),
+    ],
+)
+def test_inconsistent_persistence_is_refused_with_the_fix(
+    values: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
+        ControllerSettings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def sha_client() -> AsyncIterator[tuple[httpx.AsyncClient, ControllerServer]]:
+    settings = ControllerSettings(
+        host="127.0.0.1", monitor_ports={"pull": 0}, hash_algorithm="sha256_cbor"
+    )
+    server = ControllerServer(settings)
+    transport = httpx.ASGITransport(app=create_app(server))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        yield c, server
+    await server.close()
+
+
+async def test_token_lookups_refused_for_other_hash_algorithms(
+    sha_client: tuple[httpx.AsyncClient, ControllerServer],
+) -> None:
+    c, server = sha_client
+    server.service.handle_request(p.RegisterMsg("a", 0, "10.0.0.1", 7000, None))
+    ops = [p.KVOpEvent(p.OpType.ADMIT, 11, 0), p.KVOpEvent(p.OpType.ADMIT, 22, 1)]
+    server.service.handle_push(p.BatchedKVOperationMsg("a", 0, "LocalCPUBackend", ops))
+    for path, body in [
+        ("/lookup", {"tokens": list(range(300))}),
+        ("/v1/prefix_lookup", {"tokens": list(range(300))}),
+    ]:
+        r = await c.post(path, json=body)
+        assert r.status_code == 400, (path, r.text)
+        assert "sha256_cbor" in r.text
+        assert "/v1/prefix_lookup" in r.text
+    ok = (await c.post("/v1/prefix_lookup", json={"hashes": [11, 22, 33]})).json()
+    assert ok["instances"]["a"]["hit_chunks"] == 2
