@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -140,15 +141,26 @@ class LMCacheSide:
         )
         return list(fut.result(timeout=10).layout_info)
 
-    def close(self) -> None:
+    def close(self, deregistered: Callable[[], bool] | None = None) -> None:
+        """Release, deregister, close. With ``deregistered`` (a check on the controller), the
+        deregister is re-sent (at most 3 times) until the controller saw it: under load,
+        LMCache's worker can drop its own queued message when its loop stops."""
         self.backend.clear()  # releases the memory objects (and sends their evictions)
         self.backend.batched_msg_sender.flush()  # type: ignore[union-attr]
-        self.worker.deregister()
-        # LMCache's close() stops the loop right after queueing the deregister: let it go out.
-        deadline = time.monotonic() + 10
-        while not self.worker.msg_queue.empty() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.3)
+        for _ in range(3):
+            self.worker.deregister()
+            # LMCache's close() stops the loop right after queueing the deregister: let it go.
+            deadline = time.monotonic() + 10
+            while not self.worker.msg_queue.empty() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.3)
+            if deregistered is None:
+                break
+            seen_by = time.monotonic() + 5
+            while time.monotonic() < seen_by and not deregistered():
+                time.sleep(0.05)
+            if deregistered():
+                break
         self.backend.close()  # sender thread, allocator
         self.worker.close()
         # LMCache's close() leaves its loop's tasks pending; keep the objects alive so their

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from conftest import ENV, free_port, wait_until
@@ -63,8 +64,12 @@ def test_register_heartbeat_admit_evict_p2p_and_control(controllers: Any) -> Non
             "~0123456789ab"
         )
     finally:
-        a.close()
-        b.close()
+
+        def gone(instance: str) -> Callable[[], bool]:
+            return lambda: all(i["instance_id"] != instance for i in infos())
+
+        a.close(gone("a~0123456789ab"))
+        b.close(gone("b~0123456789ab"))
     wait_until(
         lambda: ctl.post("/query_worker_info", {"instance_id": "all"})["worker_infos"] == [],
         what="deregistration",
