@@ -424,9 +424,13 @@ class ReferenceEngine:
     async def flush(self) -> None:
         """Hand every completed prompt's KV to the offload now (after the running step).
         Stores are otherwise deferred to the next step or the next idle moment; benchmarks
-        and tests call this before measuring a hit."""
+        and tests call this before measuring a hit. An offload with asynchronous writes
+        (LMCache's disk and remote tiers) is also waited for, bounded by its own timeout."""
         runner = self._require_runner()
         await self._compute.run(runner.flush_stores)
+        offload_flush = getattr(runner.offload, "flush", None)
+        if callable(offload_flush):
+            await self._compute.run(offload_flush)
 
     # --- metrics and the memory API ----------------------------------------------------
     def metrics(self) -> dict[str, float]:
