@@ -186,6 +186,10 @@ def _tiers(pool: KVCachePool, instance: str, *, local_cpu: bool) -> dict[str, An
             "local_hostname": names.instance_pod_host(instance, ns),
             "metadata_server": f"http://{metadata}:{mc.metadata_port}/metadata",
             "master_server_address": f"{master}:{mc.master_port}",
+            # mooncake-transfer-engine 0.3.13's dict setup reads master_server_addr; LMCache
+            # forwards "mooncake_"-prefixed extra keys, so without this the client retries the
+            # default master for ~45 s and fails (found by the worker's Mooncake tier tests).
+            "mooncake_master_server_addr": f"{master}:{mc.master_port}",
             "protocol": mc.protocol,
             "device_name": mc.device_name,
             "global_segment_size": 0,
