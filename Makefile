@@ -68,7 +68,7 @@ bench: install ## Run every component's benchmark (QUICK=1 for the reduced run);
 
 bench-%: install ## Run one component's benchmark, e.g. make bench-controller QUICK=1
 	@mkdir -p bench-results
-	$(BIN)/python $*/bench/run.py $(if $(QUICK),--quick) --out bench-results/$*.json
+	PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false $(BIN)/python $*/bench/run.py $(if $(QUICK),--quick) --out bench-results/$*.json
 
 ##@ Housekeeping
 .PHONY: clean
