@@ -21,7 +21,9 @@ when the caller allows it and recorded in :attr:`LocalStack.deviations`.
 Processes run in their own process group with logs in files; readiness is polled with a
 bounded timeout on the rendered readiness probe; ``LocalStack.close`` (also on failure)
 sends SIGTERM to every group, then SIGKILL after a grace period. This module is the core of
-the future ``make demo``; it lives with the e2e tests until then.
+the future ``make demo``; it lives with the e2e tests until then. What to start (the
+rendered workloads, the cluster map, the rewrite and its check) is planned, purely, in
+``localplan``; this module adds the known gaps and the processes.
 """
 
 from __future__ import annotations
@@ -31,346 +33,35 @@ import copy
 import json
 import logging
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
-
-from kvpool.operator.loader import load_text
-from kvpool.operator.render import render_domain
-from kvpool.operator.validation import errors, validate_domain
+from localplan import (
+    LOOPBACK,
+    ClusterMap,
+    LocalWorkload,
+    Obj,
+    StackError,
+    Workload,
+    check_rewrite,
+    cluster_map,
+    localize,
+    render_file,
+    workloads,
+)
 
 logger = logging.getLogger(__name__)
-
-LOOPBACK = "127.0.0.1"
-BIND_ANY = "0.0.0.0"
-Obj = dict[str, Any]
-_ADDR = re.compile(
-    r"^(?P<scheme>[a-z][a-z0-9+.-]*://)?(?P<host>[^/:\s]+)(?::(?P<port>\d+))?(?P<rest>/.*)?$"
-)
-_HOST_WORDS = ("host", "url", "address", "server")
-
-
-class StackError(RuntimeError):
-    """The domain cannot be run locally; the message says why and what to look at."""
-
-
-# --------------------------------------------------------------------------- render + extract
-def render_file(path: str | os.PathLike[str]) -> list[Obj]:
-    """The operator's objects for every domain in ``path`` (validated first, like the CLI)."""
-    loaded = load_text(Path(path).read_text(encoding="utf-8"), str(path))
-    if loaded.errors:
-        raise StackError("; ".join(str(e) for e in loaded.errors))
-    objects: list[Obj] = []
-    for domain in loaded.domains():
-        problems = errors(validate_domain(domain.pool, domain.members))
-        if problems:
-            raise StackError("; ".join(str(p) for p in problems))
-        objects += render_domain(domain.pool, domain.members)
-    return objects
-
-
-@dataclass
-class Workload:
-    """One container of a rendered Deployment or StatefulSet, as the pod would run it."""
-
-    name: str
-    component: str
-    argv: list[str]
-    env: dict[str, str]
-    field_env: dict[str, str]  # env name -> fieldRef fieldPath (filled by the kubelet)
-    ports: dict[str, int]  # container port name -> number
-    files: dict[str, str]  # mounted path -> content (ConfigMap items)
-    readiness: tuple[str, int] | None  # HTTP GET path, port
-    cpu: str | None = None
-
-
-def _by_kind(objects: Sequence[Obj], kind: str) -> list[Obj]:
-    return [o for o in objects if o.get("kind") == kind]
-
-
-def workloads(objects: Sequence[Obj]) -> dict[str, Workload]:
-    """Every Deployment/StatefulSet (first container) keyed by name."""
-    configmaps = {o["metadata"]["name"]: o.get("data", {}) for o in _by_kind(objects, "ConfigMap")}
-    out: dict[str, Workload] = {}
-    for obj in _by_kind(objects, "Deployment") + _by_kind(objects, "StatefulSet"):
-        pod = obj["spec"]["template"]["spec"]
-        (container,) = pod["containers"]
-        volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        env: dict[str, str] = {}
-        field_env: dict[str, str] = {}
-        for item in container.get("env", []):
-            if "value" in item:
-                env[item["name"]] = str(item["value"])
-            else:
-                ref = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-                if ref is None:
-                    raise StackError(f"{obj['metadata']['name']}: env {item['name']}: unsupported")
-                field_env[item["name"]] = ref
-        files: dict[str, str] = {}
-        for mount in container.get("volumeMounts", []):
-            source = volumes.get(mount["name"], {}).get("configMap")
-            if source is None:
-                continue
-            data = configmaps[source["name"]]
-            items = source.get("items") or [{"key": k, "path": k} for k in sorted(data)]
-            for it in items:
-                files[f"{mount['mountPath'].rstrip('/')}/{it['path']}"] = data[it["key"]]
-        probe = container.get("readinessProbe", {}).get("httpGet")
-        name = obj["metadata"]["name"]
-        out[name] = Workload(
-            name=name,
-            component=obj["metadata"]["labels"].get("kvpool.io/component", "?"),
-            argv=[str(a) for a in container["command"] + container.get("args", [])],
-            env=env,
-            field_env=field_env,
-            ports={p["name"]: int(p["containerPort"]) for p in container.get("ports", [])},
-            files=files,
-            readiness=(probe["path"], int(probe["port"])) if probe else None,
-            cpu=container.get("resources", {}).get("requests", {}).get("cpu"),
-        )
-    return out
-
-
-# --------------------------------------------------------------------------- the cluster map
-@dataclass(frozen=True)
-class ClusterMap:
-    """What the cluster provides: DNS names, Service port → container port, and our ports."""
-
-    hosts: frozenset[str]
-    service_ports: Mapping[tuple[str, int], int]  # (dns host, service port) -> container port
-    ports: Mapping[int, int]  # container port -> local port
-
-
-def free_port() -> int:
-    """A TCP port the OS just handed out on 127.0.0.1 (tests run concurrently: never fixed)."""
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
-
-
-def cluster_map(objects: Sequence[Obj], allocate: Callable[[], int] = free_port) -> ClusterMap:
-    """DNS names of every Service (and StatefulSet pod), and a local port per container port."""
-    loads = workloads(objects)
-    pods = {
-        o["metadata"]["name"]: o
-        for o in _by_kind(objects, "Deployment") + _by_kind(objects, "StatefulSet")
-    }
-    container_ports: dict[int, str] = {}
-    for w in loads.values():
-        for number in w.ports.values():
-            if number in container_ports:
-                raise StackError(
-                    f"container port {number} is used by {container_ports[number]} and {w.name}; "
-                    "the local stack needs distinct ports across the domain"
-                )
-            container_ports[number] = w.name
-    local: dict[int, int] = {}
-    while len(local) < len(container_ports):
-        port = allocate()
-        if port not in local.values():
-            local[sorted(set(container_ports) - set(local))[0]] = port
-    hosts: set[str] = set()
-    service_ports: dict[tuple[str, int], int] = {}
-    for svc in _by_kind(objects, "Service"):
-        meta, spec = svc["metadata"], svc["spec"]
-        selector = spec.get("selector", {})
-        targets = [
-            loads[n]
-            for n, o in pods.items()
-            if selector.items() <= o["spec"]["template"]["metadata"]["labels"].items()
-        ]
-        names = [f"{meta['name']}.{meta['namespace']}.svc"]
-        for sts in _by_kind(objects, "StatefulSet"):
-            if sts["spec"].get("serviceName") == meta["name"]:
-                names += [
-                    f"{sts['metadata']['name']}-{i}.{meta['name']}.{meta['namespace']}.svc"
-                    for i in range(int(sts["spec"].get("replicas", 1)))
-                ]
-        names += [f"{n}.cluster.local" for n in names]
-        hosts.update(names)
-        for sp in spec.get("ports", []):
-            target = sp.get("targetPort", sp["port"])
-            target_port: int | None = target if isinstance(target, int) else None
-            if target_port is None and len(targets) == 1:
-                target_port = targets[0].ports.get(str(target))
-            if target_port is None:
-                continue  # a named port over several workloads: not addressed by one number
-            for host in names:
-                service_ports[(host, int(sp["port"]))] = target_port
-    return ClusterMap(frozenset(hosts), service_ports, local)
-
-
-# --------------------------------------------------------------------------- the rewrite
-def _split(value: str) -> tuple[str, str, int | None, str] | None:
-    m = _ADDR.match(value)
-    if m is None:
-        return None
-    port = m.group("port")
-    return (
-        m.group("scheme") or "",
-        m.group("host"),
-        int(port) if port else None,
-        m.group("rest") or "",
-    )
-
-
-def _address(value: str, cmap: ClusterMap) -> str:
-    parts = _split(value)
-    if parts is None:
-        return value
-    scheme, host, port, rest = parts
-    if host == BIND_ANY:
-        new_port = cmap.ports.get(port, port) if port is not None else None
-    elif host in cmap.hosts:
-        target = cmap.service_ports.get((host, port)) if port is not None else None
-        new_port = cmap.ports.get(target) if target is not None else None
-        if port is not None and new_port is None:
-            raise StackError(f"{value!r}: port {port} is not a port of any Service of the domain")
-    else:
-        return value
-    port_part = f":{new_port}" if port is not None else ""
-    return f"{scheme}{LOOPBACK}{port_part}{rest}"
-
-
-def _port(value: Any, cmap: ClusterMap) -> Any:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return cmap.ports.get(value, value)
-    if isinstance(value, str) and value.isdigit():
-        return str(cmap.ports.get(int(value), int(value)))
-    if isinstance(value, list):
-        return [_port(v, cmap) for v in value]
-    if isinstance(value, str) and value.startswith("{"):
-        with contextlib.suppress(json.JSONDecodeError):
-            return json.dumps({k: _port(v, cmap) for k, v in json.loads(value).items()})
-    return value
-
-
-def _by_key(key: str, value: Any, cmap: ClusterMap) -> Any:
-    low = key.lower()
-    if isinstance(value, dict):
-        return {k: _by_key(k, v, cmap) for k, v in value.items()}
-    if isinstance(value, list) and any(isinstance(v, dict | list) for v in value):
-        return [_by_key(key, v, cmap) for v in value]
-    if "port" in low:
-        return _port(value, cmap)
-    if any(w in low for w in _HOST_WORDS) and isinstance(value, str):
-        return _address(value, cmap)
-    return value
-
-
-@dataclass
-class LocalWorkload:
-    """A workload as it runs here: argv, complete env, files to write."""
-
-    name: str
-    component: str
-    argv: list[str]
-    env: dict[str, str]
-    files: dict[str, str]  # local path -> content
-    file_map: dict[str, str]  # mounted path -> local path
-    ports: dict[str, int]  # container port name -> local port
-    readiness: tuple[str, int] | None  # path, local port
-
-
-def localize(w: Workload, cmap: ClusterMap, root: Path) -> LocalWorkload:
-    """Apply exactly the cluster-provided rewrites to one workload (pure but for ``root``)."""
-    argv = list(w.argv)
-    for i in range(1, len(argv)):
-        flag = argv[i - 1]
-        if flag.startswith("--") and not argv[i].startswith("--"):
-            argv[i] = _by_key(flag, argv[i], cmap)
-    file_map = {path: str(root / Path(path).name) for path in sorted(w.files)}
-    env = {k: file_map.get(v, _by_key(k, v, cmap)) for k, v in w.env.items()}
-    for key, ref in w.field_env.items():
-        if ref != "status.podIP":
-            raise StackError(f"{w.name}: env {key} comes from {ref}, which has no local value")
-        env[key] = LOOPBACK
-    files: dict[str, str] = {}
-    for path, text in w.files.items():
-        data = yaml.safe_load(text)
-        if not isinstance(data, dict):
-            raise StackError(f"{w.name}: mounted {path} is not a YAML mapping")
-        files[file_map[path]] = yaml.safe_dump(_by_key("", data, cmap), sort_keys=True)
-    ready = (w.readiness[0], cmap.ports[w.readiness[1]]) if w.readiness else None
-    ports = {n: cmap.ports[p] for n, p in w.ports.items()}
-    return LocalWorkload(w.name, w.component, argv, env, files, file_map, ports, ready)
-
-
-def _changes(old: Any, new: Any, path: str) -> Iterator[tuple[str, Any, Any]]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        if old.keys() != new.keys():
-            yield path, sorted(old), sorted(new)
-            return
-        for k in old:
-            yield from _changes(old[k], new[k], f"{path}.{k}")
-    elif isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        for i, (a, b) in enumerate(zip(old, new, strict=True)):
-            yield from _changes(a, b, f"{path}[{i}]")
-    elif isinstance(old, str) and isinstance(new, str) and old.startswith("{") and old != new:
-        try:
-            yield from _changes(json.loads(old), json.loads(new), f"{path}<json>")
-        except json.JSONDecodeError:
-            yield path, old, new
-    elif old != new:
-        yield path, old, new
-
-
-def _allowed(old: Any, new: Any, cmap: ClusterMap, files: Mapping[str, str]) -> bool:
-    if isinstance(old, int | str) and str(old).isdigit():
-        return bool(str(new).isdigit() and int(new) == cmap.ports.get(int(old), -1))
-    if isinstance(old, str) and old in files:
-        return bool(new == files[old])
-    if not isinstance(old, str) or not isinstance(new, str):
-        return False
-    a, b = _split(old), _split(new)
-    if a is None or b is None or (a[0], a[3]) != (b[0], b[3]) or b[1] != LOOPBACK:
-        return False
-    if a[1] not in cmap.hosts | {BIND_ANY}:
-        return False
-    if a[2] is None:
-        return b[2] is None
-    if a[1] == BIND_ANY:
-        return b[2] == cmap.ports.get(a[2], a[2])
-    target = cmap.service_ports.get((a[1], a[2]))
-    return target is not None and b[2] == cmap.ports.get(target)
-
-
-def check_rewrite(w: Workload, lw: LocalWorkload, cmap: ClusterMap) -> list[str]:
-    """Every difference between rendered and local form, each proven to be a cluster rewrite.
-
-    Written apart from ``localize`` on purpose: it diffs the two forms generically and raises
-    on any change that is not a DNS name or bind address → 127.0.0.1, a container port → its
-    local port, or a mounted path → its local file. Returns the changes, one line each.
-    """
-    old_files = {p: yaml.safe_load(t) for p, t in w.files.items()}
-    new_files = {p: yaml.safe_load(lw.files[lw.file_map[p]]) for p in w.files}
-    env_old = dict(w.env)
-    env_new = {k: v for k, v in lw.env.items() if k not in w.field_env}
-    seen: list[str] = []
-    pairs = [(w.argv, lw.argv, "argv"), (env_old, env_new, "env"), (old_files, new_files, "files")]
-    for old, new, where in pairs:
-        for path, a, b in _changes(old, new, where):
-            if not _allowed(a, b, cmap, lw.file_map):
-                raise StackError(f"{w.name}: {path}: {a!r} -> {b!r} is not a cluster rewrite")
-            seen.append(f"{path}: {a!r} -> {b!r}")
-    for key in w.field_env:
-        seen.append(f"env.{key}: fieldRef {w.field_env[key]} -> {lw.env[key]!r}")
-    return seen
 
 
 # --------------------------------------------------------------------------- known gaps
