@@ -36,7 +36,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(_bits(a.contiguous()), _bits(b.contiguous()))
+    return torch.equal(_bits(a.contiguous().clone()), _bits(b.contiguous().clone()))
 
 
 def _rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -245,3 +245,23 @@ def test_whole_block_chunks_take_the_block_path_and_stay_exact(dtype: torch.dtyp
         for blk in range(NB):
             want = c[:, blk] if blk in blocks else b[:, blk]
             assert _same(f[:, blk], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_chunks_at_unaligned_offsets_copy_exactly(dtype: torch.dtype) -> None:
+    """A chunk that is a view into a pooled buffer at an odd element offset cannot be
+    reinterpreted as 16- or 8-byte words; the copy must still be exact (found in review)."""
+    logical, caches = _caches("flash_nhd", dtype, 31)
+    blocks = [2, 0]
+    slots = [b * BS + o for b in blocks for o in range(BS)]
+    sm = torch.tensor(slots)
+    n = 2 * L * len(slots) * H * D
+    pool = torch.zeros(n + 1, dtype=dtype)
+    out = pool[1:].view(2, L, len(slots), H * D)
+    paged_to_chunk(caches, sm, out)
+    assert _same(out, _expected_gather(logical, slots))
+    _, fresh = _caches("flash_nhd", dtype, 32)
+    chunk_to_paged(out, fresh, sm)
+    back = torch.empty((2, L, len(slots), H * D), dtype=dtype)
+    paged_to_chunk(fresh, sm, back)
+    assert _same(back, out)

@@ -181,11 +181,10 @@ def paged_to_chunk(
         if src.dim() == 3:  # contiguous flash_nhd: [2, NB*BS, H*D]
             for kv in range(2):
                 rows, idx = _rows(src[kv], slots, blocks, bs_flat)
-                if pos is None and dst[kv].is_contiguous():
-                    torch.index_select(
-                        rows, 0, idx, out=dst[kv].view(rows.dtype).view(-1, rows.size(1))
-                    )
-                else:
+                target = _as_dtype(dst[kv], rows.dtype) if pos is None else None
+                if target is not None and target.is_contiguous():
+                    torch.index_select(rows, 0, idx, out=target.view(-1, rows.size(1)))
+                else:  # masked tokens, or an output that cannot take the word view
                     _put_tokens(dst[kv], pos, src[kv].index_select(0, slots))
             continue
         bs = src.size(2)
@@ -229,6 +228,15 @@ def _words(t: torch.Tensor) -> torch.Tensor:
             except RuntimeError:
                 continue
     return t
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``t`` reinterpreted as ``dtype`` (the word type chosen for the cache side), or None
+    when its storage offset or strides do not allow it."""
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        return None
 
 
 def _rows(
@@ -290,7 +298,10 @@ def chunk_to_paged(
             for kv in range(2):
                 rows, idx = _rows(dst[kv], slots, blocks, bs_flat)
                 tokens = rows_of(src[kv]).contiguous()
-                rows.index_copy_(0, idx, _words(tokens).view(-1, rows.size(1)))
+                words = _as_dtype(tokens, rows.dtype)
+                if words is None:  # an unaligned chunk view: a fresh copy is aligned
+                    words = tokens.clone().view(rows.dtype)
+                rows.index_copy_(0, idx, words.view(-1, rows.size(1)))
             continue
         bs, h, d = dst.size(2), dst.size(3), dst.size(4)
         for kv in range(2):
