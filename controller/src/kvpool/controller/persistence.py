@@ -128,8 +128,11 @@ class RedisStore:
             self._wake.clear()
             try:
                 if self.dirty:
-                    await self._rewrite(snapshot())
+                    # Clear the flag with the snapshot taken, before awaiting: changes
+                    # submitted during the rewrite are queued (not dropped as covered).
+                    snap = snapshot()
                     self.dirty = False
+                    await self._rewrite(snap)
                 while self._queue:
                     await self._write_some()
                 self._recovered()
