@@ -20,6 +20,7 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 import uvicorn
+import zmq
 from pydantic import ValidationError
 
 from kvpool.controller.api import create_app
@@ -146,7 +147,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    asyncio.run(run(settings))
+    try:
+        asyncio.run(run(settings))
+    except zmq.ZMQError as exc:
+        print(
+            f"kvpool-controller: cannot bind the ZMQ sockets on {settings.host} ({exc}); "
+            "choose free ports with --monitor-ports / --pub-port / --snapshot-port",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -364,7 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             hard_exit(EXIT_REFUSED)
         return EXIT_REFUSED
     runtime = WorkerRuntime(engine, tokenizer, session_capacity=settings.session_capacity)
-    code = asyncio.run(serve(runtime, settings))
+    try:
+        code = asyncio.run(serve(runtime, settings))
+    except SystemExit as exc:  # uvicorn exits when it cannot bind: still end for real below
+        code = exc.code if isinstance(exc.code, int) else EXIT_FAILED
     logger.info("kvpool-worker exits with %d", code)
     # LMCache leaves non-daemon threads behind: a normal interpreter exit could wait forever.
     hard_exit(code)
