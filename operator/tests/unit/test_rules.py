@@ -266,6 +266,16 @@ def test_rule7_rejects_buffer_smaller_than_a_chunk() -> None:
     assert problem.fix == "set it to at least 18Mi (18874368 bytes)"
 
 
+def test_rule7_checks_the_pd_buffer_against_the_smaller_tp_side() -> None:
+    """Prefill TP 1 holds all 8 KV heads per rank: a chunk is 36 MiB there, 18 MiB at TP 2."""
+    mixed = {"prefill": {"tensorParallelSize": 1}, "transfer": {"bufferSize": 18874368}}
+    problem = _one(_problems(pool(), pd(**mixed), rule=7))
+    assert problem.path == "PDPair/pair: spec.transfer.bufferSize"
+    assert problem.fix == "set it to at least 36Mi (37748736 bytes)"
+    ok = {"prefill": {"tensorParallelSize": 1}, "transfer": {"bufferSize": 37748736}}
+    assert _problems(pool(), pd(**ok), rule=7) == []
+
+
 def test_rule7_warns_on_small_staging_and_memory_over_allocatable() -> None:
     group = p2p(
         transfer={"hostStaging": {"expectedConcurrentRequests": 8, "expectedHitTokens": 32768}}

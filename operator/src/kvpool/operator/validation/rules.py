@@ -423,13 +423,19 @@ def rule7_buffers(pool: KVCachePool, members: Members) -> list[Problem]:
                         )
                     )
         else:
-            tp = max(
-                member.spec.prefill.tensor_parallel_size, member.spec.decode.tensor_parallel_size
-            )
+            # The smaller TP size has more KV heads per rank, hence the larger per-rank chunk:
+            # a buffer that holds it holds the other side's too.
+            tp_prefill = member.spec.prefill.tensor_parallel_size
+            tp = min(tp_prefill, member.spec.decode.tensor_parallel_size)
             buffers.append(("spec.transfer.bufferSize", member.spec.transfer.buffer_size, tp))
             if member.spec.transfer.mode == "cpu-offload-pull-delay":
+                # pd_cpu_buffer_size is rendered for the sender (prefill) only.
                 buffers.append(
-                    ("spec.transfer.cpuBufferSize", member.spec.transfer.cpu_buffer_size, tp)
+                    (
+                        "spec.transfer.cpuBufferSize",
+                        member.spec.transfer.cpu_buffer_size,
+                        tp_prefill,
+                    )
                 )
         for path, size, tp in buffers:
             chunk = chunk_bytes_per_rank(pool, tp)
