@@ -93,6 +93,25 @@ def test_rollout_hash_follows_domain_settings() -> None:
     assert rollout_hash(pool(gateway={"replicas": 3})) == base
 
 
+def test_a_member_only_config_change_restarts_its_pods() -> None:
+    """LMCache reads its YAML once at start: a change to a member's transfer settings (not
+    the domain's) must still change the pod template, or running pods keep the old config."""
+
+    def template_annotations(**transfer: Any) -> list[dict[str, str]]:
+        objs = render(pool(), p2p(transfer=transfer))
+        return [
+            o["spec"]["template"]["metadata"]["annotations"]
+            for o in objs
+            if o["kind"] == "StatefulSet"
+        ]
+
+    before, after = template_annotations(), template_annotations(pullPendingTTLSeconds=90)
+    assert len(before) == len(after) == 2
+    for a, b in zip(before, after, strict=True):
+        assert a["kvpool.io/config-hash"] != b["kvpool.io/config-hash"]
+        assert a["kvpool.io/domain-rollout-hash"] == b["kvpool.io/domain-rollout-hash"]
+
+
 def test_p2p_instance_ids_ports_and_ascend_keys() -> None:
     the_pool = pool()
     fp = pool_fingerprint(the_pool)

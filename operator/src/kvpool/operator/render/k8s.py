@@ -60,12 +60,17 @@ def rollout_hash(pool: KVCachePool) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def pod_annotations(pool: KVCachePool) -> dict[str, str]:
-    """Annotations on every pod template of the domain."""
-    return {
+def pod_annotations(pool: KVCachePool, mounted_config: str | None = None) -> dict[str, str]:
+    """Annotations on every pod template of the domain. ``mounted_config`` is the text of the
+    config file the pod reads once at start (its LMCache YAML, the gateway's settings): its
+    hash on the template makes a change to that file alone restart the pod."""
+    out = {
         names.ANNOTATION_ROLLOUT: rollout_hash(pool),
         names.ANNOTATION_FINGERPRINT: pool_fingerprint(pool),
     }
+    if mounted_config is not None:
+        out[names.ANNOTATION_CONFIG] = hashlib.sha256(mounted_config.encode()).hexdigest()[:16]
+    return out
 
 
 def resources(spec: Resources, extra_limits: dict[str, str] | None = None) -> Obj:

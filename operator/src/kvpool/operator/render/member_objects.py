@@ -107,8 +107,10 @@ def instance_objects(
     inst: InstancePorts,
     engine: EngineSpec,
     tp: int,
+    mounted_config: str,
 ) -> list[Obj]:
-    """StatefulSet (1 replica) and headless Service of one instance."""
+    """StatefulSet (1 replica) and headless Service of one instance; ``mounted_config`` is the
+    instance's LMCache YAML as mounted (its hash restarts the pod when it changes)."""
     ns = pool.metadata.namespace
     spec = member.spec
     labels = {
@@ -174,7 +176,7 @@ def instance_objects(
             "template": {
                 "metadata": {
                     "labels": dict(sorted(labels.items())),
-                    "annotations": dict(sorted(k8s.pod_annotations(pool).items())),
+                    "annotations": dict(sorted(k8s.pod_annotations(pool, mounted_config).items())),
                 },
                 "spec": pod,
             },
@@ -226,7 +228,8 @@ def member_objects(pool: KVCachePool, member: P2PGroup | PDPair) -> list[Obj]:
         else:
             role = member.spec.prefill if inst.role == "prefill" else member.spec.decode
             engine, tp = role.engine, role.tensor_parallel_size
-        out.extend(instance_objects(pool, member, inst, engine, tp))
+        config = data[names.instance_config_key(inst.name)]
+        out.extend(instance_objects(pool, member, inst, engine, tp, config))
     out.append(
         {
             "apiVersion": "v1",

@@ -16,6 +16,7 @@ LABEL_INSTANCE = "kvpool.io/instance"
 LABEL_ROLE = "kvpool.io/role"
 ANNOTATION_ROLLOUT = "kvpool.io/domain-rollout-hash"
 ANNOTATION_FINGERPRINT = "kvpool.io/domain-fingerprint"
+ANNOTATION_CONFIG = "kvpool.io/config-hash"  # the mounted config: a change restarts the pod
 
 LMCACHE_CONFIG_DIR = "/etc/kvpool/lmcache"
 LMCACHE_CONFIG_FILE = f"{LMCACHE_CONFIG_DIR}/lmcache.yaml"

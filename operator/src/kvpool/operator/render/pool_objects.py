@@ -192,7 +192,7 @@ def gateway_objects(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list
         "--config",
         "/etc/kvpool/gateway/gateway.yaml",
     ]
-    annotations = k8s.pod_annotations(pool)
+    annotations = k8s.pod_annotations(pool, config)
     pod: Obj = {
         "containers": [
             {
