@@ -137,8 +137,23 @@ def test_rule3_passes_with_distinct_names() -> None:
 
 def test_rule3_rejects_colliding_instance_ids() -> None:
     problem = _one(_problems(pool(), p2p("pair-prefill"), pd("pair"), rule=3))
-    assert "instance 'pair-prefill-0' is also an instance of" in problem.message
-    assert "lmcache_instance_id and lmcache_rpc_port would collide" in problem.message
+    assert "instance 'pair-prefill-0' has the name 'pair-prefill-0', also rendered for" in (
+        problem.message
+    )
+    assert "lmcache_instance_id / lmcache_rpc_port) would collide" in problem.message
+    assert problem.fix == "rename one of the two resources"
+
+
+def test_rule3_rejects_a_member_service_that_collides_with_an_instance() -> None:
+    """P2PGroup grp renders instance grp-0; a PDPair named grp-0 renders Service grp-0."""
+    problem = _one(_problems(pool(), p2p("grp"), pd("grp-0"), rule=3))
+    assert problem.path == "PDPair/grp-0: metadata.name"
+    assert "its Service 'grp-0'" in problem.message
+
+
+def test_rule3_rejects_a_member_named_like_the_pools_own_objects() -> None:
+    problem = _one(_problems(pool(), p2p("pool-controller"), rule=3))
+    assert "also rendered for KVCachePool/pool" in problem.message
 
 
 # rule 4: P2P xor local disk ------------------------------------------------------------------

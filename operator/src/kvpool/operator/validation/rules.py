@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from kvpool.operator.api.members import EngineSpec, P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.quantity import format_bytes
+from kvpool.operator.render import names
 from kvpool.operator.render.lmcache_config import (
     ASCEND_ONLY_KEYS,
     MANAGED_KEYS,
@@ -187,23 +188,39 @@ def rule2_ports(pool: KVCachePool, members: Members) -> list[Problem]:
 
 
 def rule3_instance_ids(pool: KVCachePool, members: Members) -> list[Problem]:
-    """lmcache_instance_id (and the lmcache_rpc_port identifier) unique across the domain."""
-    owners: dict[str, str] = {}
+    """lmcache_instance_id (and the lmcache_rpc_port identifier) unique across the domain, and
+    no two resources rendering objects of the same name (instance StatefulSets and Services,
+    the member's Service and PDB, its LMCache ConfigMap, the pool's own objects)."""
+    pool_owner = f"KVCachePool/{pool.metadata.name}"
+    owners: dict[str, str] = {
+        name: pool_owner
+        for name in (
+            names.controller_name(pool),
+            names.gateway_name(pool),
+            names.domain_configmap_name(pool),
+            *(names.mooncake_name(pool, part) for part in ("master", "metadata", "store")),
+        )
+    }
     out: list[Problem] = []
     for member in sorted(members, key=lambda m: (m.kind, m.metadata.name)):
-        for inst in member_instances(member):
-            owner = f"{member.kind}/{member.metadata.name}"
-            if inst.name in owners and owners[inst.name] != owner:
+        owner = f"{member.kind}/{member.metadata.name}"
+        rendered = [(inst.name, f"instance {inst.name!r}") for inst in member_instances(member)]
+        rendered += [
+            (member.metadata.name, f"its Service {member.metadata.name!r}"),
+            (names.lmcache_configmap_name(member), "its LMCache ConfigMap"),
+        ]
+        for name, what in rendered:
+            if name in owners and owners[name] != owner:
                 out.append(
                     Problem(
                         where(member, "metadata.name"),
-                        f"instance {inst.name!r} is also an instance of {owners[inst.name]}; "
-                        "lmcache_instance_id and lmcache_rpc_port would collide",
+                        f"{what} has the name {name!r}, also rendered for {owners[name]}; "
+                        "objects (and lmcache_instance_id / lmcache_rpc_port) would collide",
                         "rename one of the two resources",
                         rule=3,
                     )
                 )
-            owners.setdefault(inst.name, owner)
+            owners.setdefault(name, owner)
     return out
 
 
