@@ -21,7 +21,7 @@ from kvpool.controller import fullsync
 from kvpool.controller import protocol as p
 from kvpool.controller.control import ControlError, ControlPlane
 from kvpool.controller.deltas import Delta, DeltaOp, LocationEntry, Snapshot, WorkerEntry
-from kvpool.controller.index import ChunkIndex
+from kvpool.controller.index import ChunkIndex, tier_rank
 from kvpool.controller.metrics import Metrics
 from kvpool.controller.registry import Registry, WorkerRecord, check_fingerprint
 from kvpool.controller.settings import ControllerSettings
@@ -391,14 +391,18 @@ class ControllerService:
     # ------------------------------------------------------------------ orchestration
 
     def lookup_tokens(self, tokens: list[int]) -> dict[str, tuple[str, int]]:
-        """LMCache's ``/lookup``: per instance, (its fastest tier of the prefix, end token)."""
+        """LMCache's ``/lookup``: per instance, (the tier holding most of its prefix, fastest on
+        a tie; end token)."""
         t0 = time.perf_counter()
         hashes = chunk_hashes(tokens, self.settings.chunk_size)
         layout: dict[str, tuple[str, int]] = {}
         for instance_id, hit in self.index.prefix_hits(hashes).items():
             if hit.hit_chunks <= 0:
                 continue
-            location = max(sorted(hit.per_location), key=lambda loc: hit.per_location[loc])
+            # The tier holding most of the prefix; on a tie the fastest (not alphabetical).
+            location = min(
+                hit.per_location, key=lambda loc: (-hit.per_location[loc], tier_rank(loc), loc)
+            )
             layout[instance_id] = (
                 location,
                 min(hit.hit_chunks * self.settings.chunk_size, len(tokens)),
