@@ -74,7 +74,6 @@ class RedisStore:
         self._wake = asyncio.Event()
         self.dirty = False
         self.healthy = True
-        self._workers: dict[tuple[str, int], StoredWorker] = {}
         self._logged_error = False
         self.flushed = asyncio.Event()
 

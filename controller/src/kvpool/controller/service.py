@@ -172,11 +172,9 @@ class ControllerService:
         return None
 
     def _drop_worker_keys(self, instance_id: str, worker_id: int) -> int:
-        removed = 0
         for location in self.index.locations_of(instance_id, worker_id):
             self.emit(DeltaOp.CLEAR, instance_id, worker_id, location)
-        removed = self.index.remove_worker(instance_id, worker_id)
-        return removed
+        return self.index.remove_worker(instance_id, worker_id)
 
     def deregister(self, instance_id: str, worker_id: int, reason: str) -> bool:
         record = self.registry.deregister(instance_id, worker_id)

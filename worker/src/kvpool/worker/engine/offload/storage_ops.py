@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from lmcache.utils import CacheEngineKey
 
+from kvpool.worker.engine.offload.tiers import BACKEND_OF_TIER, LOCAL_DISK, REMOTE_BACKEND
+
 logger = logging.getLogger(__name__)
 
-REMOTE_BACKEND = "RemoteBackend"
 _REMOVE_TIMEOUT_S = 2.0
 
 
@@ -67,7 +68,7 @@ def remote_remove(storage: Any, key: CacheEngineKey) -> bool:
 def pending_writes(storage: Any) -> int:
     """Chunks LMCache has accepted but not yet written to disk or the remote tier."""
     n = 0
-    disk = storage.storage_backends.get("LocalDiskBackend")
+    disk = storage.storage_backends.get(BACKEND_OF_TIER[LOCAL_DISK])
     if disk is not None:
         n += len(disk.disk_worker.put_tasks)
     remote = storage.storage_backends.get(REMOTE_BACKEND)
@@ -120,7 +121,7 @@ def close_redis(storage: Any, timeout_s: float = 2.0) -> bool:
 
 def disk_length_ok(storage: Any, key: CacheEngineKey) -> bool:
     """The chunk file of ``key`` has exactly the bytes its shape and dtype need."""
-    disk = storage.storage_backends.get("LocalDiskBackend")
+    disk = storage.storage_backends.get(BACKEND_OF_TIER[LOCAL_DISK])
     meta = None if disk is None else disk.dict.get(key)
     if meta is None or meta.shape is None or meta.dtype is None:
         return True  # not on disk (LMCache will miss) or nothing to compare with
