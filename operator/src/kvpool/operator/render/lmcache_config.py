@@ -308,7 +308,7 @@ def pd_config(
     )
     if channel == "nixl":
         cfg["nixl_backends"] = ["UCX"]
-    pull = transfer.mode != "push"
+    pull = pd_sender_pull(pair)
     delay = transfer.mode in ("pull-delay", "cpu-offload-pull-delay")
     if inst.role == "prefill":
         gateway = names.service_host(names.gateway_name(pool), ns)

@@ -64,7 +64,7 @@ def member_memory_budget(pool: KVCachePool, member: P2PGroup | PDPair) -> Memory
     parts: list[tuple[str, int]] = []  # PD instances run without the local CPU tier
     if pd.transfer.mode == "cpu-offload-pull-delay":
         parts.append(("PD CPU buffer", pd.transfer.cpu_buffer_size))
-    if (pd.transfer.buffer_device or _default_pd_device(pd)) == "cpu":
+    if default_pd_buffer_device(member) == "cpu":
         parts.append(("PD buffer", pd.transfer.buffer_size))
     return _budget(pool, tp, pd.prefill.replicas + pd.decode.replicas, parts)
 

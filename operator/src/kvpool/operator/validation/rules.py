@@ -19,6 +19,7 @@ from kvpool.operator.render.lmcache_config import (
     MANAGED_KEYS,
     UPSTREAM_KEYS,
     default_channel,
+    pd_sender_pull,
 )
 from kvpool.operator.render.member_objects import member_instances
 from kvpool.operator.render.ports import member_port_range
@@ -249,7 +250,7 @@ def rule5_transfer(pool: KVCachePool, members: Members) -> list[Problem]:
             platform = member.spec.prefill.engine.platform
             channel = default_channel(platform, member.spec.transfer.channel)
             out += _channel_problem(member, "spec.transfer.channel", platform, channel)
-            if platform != "ascend" and member.spec.transfer.mode != "push":
+            if platform != "ascend" and pd_sender_pull(member):
                 out.append(
                     Problem(
                         where(member, "spec.transfer.mode"),
