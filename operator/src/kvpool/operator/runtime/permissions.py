@@ -1,0 +1,119 @@
+"""The operator's process contract: its command line, its ports and every API permission it uses.
+
+Why one module: the Helm chart's Deployment (args, ports, probes) and its ClusterRole/Role are
+generated from (and tested against) these definitions, and the handlers' Kubernetes client
+refuses a request that is not listed here (``require``), so the chart can never grant less or
+more than the operator actually does. Pure data, no I/O, no kopf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvpool.operator.api.common import GROUP
+
+Scope = Literal["namespaced", "cluster"]
+
+#: Verbs the operator may use; "update" (PUT) is deliberately absent: every write is a patch.
+Verb = Literal["get", "list", "watch", "create", "patch", "delete"]
+
+#: ``kvpool-operator run`` flags the chart sets (each also reads KVPOOL_OPERATOR_<NAME>).
+HEALTH_PORT = 8080  # GET /healthz (liveness), GET /readyz (readiness)
+METRICS_PORT = 8081  # GET /metrics (Prometheus text format)
+WEBHOOK_PORT = 9443  # HTTPS, POST /<handler id> (AdmissionReview v1)
+WEBHOOK_CERT_DIR = "/tmp/kvpool-webhook"  # tls.crt, tls.key, ca.crt
+FIELD_MANAGER = "kvpool-operator"
+#: Name of the ValidatingWebhookConfiguration the operator patches in self-signed mode.
+WEBHOOK_CONFIGURATION = "kvpool.io"
+#: URL paths of the admission handlers (one per kind), under the webhook Service.
+WEBHOOK_PATHS = {
+    "KVCachePool": "/validate-kvcachepool",
+    "P2PGroup": "/validate-p2pgroup",
+    "PDPair": "/validate-pdpair",
+}
+COMMAND = ["kvpool-operator", "run"]
+#: Default arguments of the chart's container (values override the ports and the cert mode).
+DEFAULT_ARGS = [
+    f"--health-port={HEALTH_PORT}",
+    f"--metrics-port={METRICS_PORT}",
+    f"--webhook-port={WEBHOOK_PORT}",
+    "--webhook-mode=self-signed",
+    f"--webhook-cert-dir={WEBHOOK_CERT_DIR}",
+]
+
+
+@dataclass(frozen=True)
+class Permission:
+    """One RBAC rule: API group ("" = core), resource (``plural`` or ``plural/sub``), verbs."""
+
+    group: str
+    resource: str
+    verbs: tuple[Verb, ...]
+    scope: Scope = "namespaced"
+    why: str = ""
+
+
+_CHILD_VERBS: tuple[Verb, ...] = ("get", "list", "create", "patch", "delete")
+
+PERMISSIONS: tuple[Permission, ...] = (
+    *(
+        Permission(GROUP, plural, ("get", "list", "watch", "patch"), why="reconcile, finalizers")
+        for plural in ("kvcachepools", "p2pgroups", "pdpairs")
+    ),
+    *(
+        Permission(GROUP, f"{plural}/status", ("get", "patch"), why="conditions and status")
+        for plural in ("kvcachepools", "p2pgroups", "pdpairs")
+    ),
+    Permission("", "configmaps", _CHILD_VERBS, why="domain seed, LMCache and gateway config"),
+    Permission("", "services", _CHILD_VERBS, why="controller, gateway, instance Services"),
+    Permission("apps", "deployments", _CHILD_VERBS, why="controller, gateway, Mooncake"),
+    Permission("apps", "statefulsets", (*_CHILD_VERBS, "watch"), why="workers; readiness"),
+    Permission("policy", "poddisruptionbudgets", _CHILD_VERBS, why="gateway and member PDBs"),
+    Permission("", "pods", ("list",), why="drift timer reads pod fingerprints"),
+    Permission("", "events", ("create",), why="Events on invalid specs and blocked deletes"),
+    Permission("", "namespaces", ("list", "watch"), "cluster", why="kopf namespace observer"),
+    Permission(
+        "apiextensions.k8s.io",
+        "customresourcedefinitions",
+        ("list", "watch"),
+        "cluster",
+        why="kopf resource discovery",
+    ),
+    Permission(
+        "admissionregistration.k8s.io",
+        "validatingwebhookconfigurations",
+        ("create", "patch"),
+        "cluster",
+        why="self-signed mode only: kopf writes the caBundle",
+    ),
+)
+
+#: The resources the handlers' client may touch, by (group, resource) -> verbs.
+_INDEX: dict[tuple[str, str], frozenset[str]] = {
+    (p.group, p.resource): frozenset(p.verbs) for p in PERMISSIONS
+}
+
+
+class NotPermittedError(Exception):
+    """A request the operator's RBAC (this module) does not grant: a bug, not a cluster error."""
+
+
+def require(group: str, resource: str, verb: str) -> None:
+    """Raise NotPermittedError unless PERMISSIONS grants ``verb`` on ``group/resource``."""
+    if verb not in _INDEX.get((group, resource), frozenset()):
+        raise NotPermittedError(
+            f"{verb} {group or 'core'}/{resource} is not in kvpool.operator.runtime.permissions"
+        )
+
+
+def rbac_rules(scope: Scope, *, webhook_self_signed: bool = True) -> list[dict[str, object]]:
+    """Kubernetes PolicyRules for one scope (what a ClusterRole or Role must contain)."""
+    rules: list[dict[str, object]] = []
+    for p in PERMISSIONS:
+        if p.scope != scope:
+            continue
+        if p.resource == "validatingwebhookconfigurations" and not webhook_self_signed:
+            continue
+        rules.append({"apiGroups": [p.group], "resources": [p.resource], "verbs": list(p.verbs)})
+    return rules
