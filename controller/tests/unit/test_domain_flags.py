@@ -43,6 +43,7 @@ def test_the_rendered_command_line_parses() -> None:
     [
         ({"persistence": "redis"}, "--redis-url"),
         ({"persistence": "full-sync", "redis_url": "redis://127.0.0.1:1/0"}, "--persistence redis"),
+        ({"persistence": "none", "redis_url": "redis://127.0.0.1:1/0"}, "--persistence redis"),
     ],
 )
 def test_inconsistent_persistence_is_refused_with_the_fix(
@@ -50,6 +51,21 @@ def test_inconsistent_persistence_is_refused_with_the_fix(
 ) -> None:
     with pytest.raises(ValidationError, match=message):
         ControllerSettings(**values)  # type: ignore[arg-type]
+
+
+def test_persistence_none_parses_and_never_asks_for_a_full_sync() -> None:
+    """``--persistence none`` (the operator's mode none): a worker unknown to a restarted
+    controller is re-registered but not asked for its keys; full-sync asks."""
+    from kvpool.controller.service import ControllerService
+
+    none = settings_from_args([*RENDERED[:-1], "none"])
+    assert none.persistence == "none"
+    for settings, asks in [(none, False), (settings_from_args(RENDERED), True)]:
+        svc = ControllerService(settings.model_copy(update={"monitor_ports": {"pull": 0}}))
+        reply = svc.handle_request(p.HeartbeatMsg("a~0123456789ab", 0, "10.0.0.1", 9000, None))
+        assert isinstance(reply, p.HeartbeatRetMsg)
+        assert any(isinstance(c, p.FullSyncCommand) for c in reply.commands) is asks
+        assert svc.registry.get("a~0123456789ab", 0) is not None
 
 
 @pytest.fixture

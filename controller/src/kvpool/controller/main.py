@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--persistence",
-        choices=["auto", "redis", "full-sync"],
-        help="index recovery after a restart (default auto: redis if --redis-url, else full-sync)",
+        choices=["auto", "redis", "full-sync", "none"],
+        help="index recovery after a restart (default auto: redis if --redis-url, else "
+        "full-sync; none: no recovery)",
     )
     ap.add_argument("--log-level", help="DEBUG, INFO, WARNING...")
     return ap

@@ -366,6 +366,8 @@ class ControllerService:
             )
             if reason is not None:
                 return p.ErrorMsg(f"registration refused: {reason}")
+            if self.settings.persistence == "none":
+                return p.HeartbeatRetMsg()  # no recovery: the index refills from new admits
             record = self.registry.get(msg.instance_id, msg.worker_id)
             assert record is not None
             record.needs_full_sync = True

@@ -59,11 +59,12 @@ class ControllerSettings(BaseSettings):
     redis_batch_keys: int = Field(50_000, gt=0, description="Keys per Redis pipeline")
     full_sync_completion_threshold: float = Field(0.8, ge=0, le=1)
     full_sync_timeout_s: float = Field(300.0, gt=0)
-    persistence: Literal["auto", "redis", "full-sync"] = Field(
+    persistence: Literal["auto", "redis", "full-sync", "none"] = Field(
         "auto",
         description="How a restarted controller recovers its index: redis (write-behind and "
-        "reload; needs redis_url), full-sync (ask every worker for its keys), auto (redis when "
-        "redis_url is set, else full-sync)",
+        "reload; needs redis_url), full-sync (ask every worker for its keys), none (no "
+        "recovery: re-registered workers are not asked for their keys, the index refills "
+        "from new admits), auto (redis when redis_url is set, else full-sync)",
     )
     chunk_size: int = Field(256, gt=0, description="Tokens per chunk for token lookups")
     hash_algorithm: str = Field(
@@ -120,10 +121,10 @@ class ControllerSettings(BaseSettings):
                 "persistence is 'redis' but no redis_url is set; pass --redis-url "
                 "redis://host:port/db or use --persistence full-sync"
             )
-        if self.persistence == "full-sync" and self.redis_url:
+        if self.persistence in ("full-sync", "none") and self.redis_url:
             raise ValueError(
-                "persistence is 'full-sync' but redis_url is set; drop --redis-url or use "
-                "--persistence redis"
+                f"persistence is {self.persistence!r} but redis_url is set; drop --redis-url "
+                "or use --persistence redis"
             )
         return self
 
