@@ -381,3 +381,13 @@ def test_pool_checks_remote_tier_and_persistence() -> None:
         "set exactly one remote tier (mooncake or redis)",
         "persistence mode redis needs a Redis URL",
     ]
+
+
+def test_pool_checks_refuse_a_redis_url_outside_mode_redis() -> None:
+    """The controller refuses --redis-url with --persistence full-sync or none: so does this."""
+    for mode in ("full-sync", "none"):
+        the_pool = pool(controller={"persistence": {"mode": mode, "redisUrl": "redis://r:6379"}})
+        problem = _one(errors(validate_domain(the_pool, [])))
+        assert problem.path.endswith("spec.controller.persistence.redisUrl"), problem
+        assert f"persistence mode is {mode}" in problem.message
+        assert "set mode: redis" in problem.fix

@@ -56,6 +56,15 @@ def _pool_checks(pool: KVCachePool) -> list[Problem]:
                 "set redisUrl (e.g. redis://kv-redis:6379/0) or use mode: full-sync",
             )
         )
+    if persistence.mode != "redis" and persistence.redis_url:
+        out.append(
+            Problem(
+                rules.where(pool, "spec.controller.persistence.redisUrl"),
+                f"a Redis URL is set but persistence mode is {persistence.mode}: the controller "
+                "would refuse to start (it writes to Redis only in mode redis)",
+                "set mode: redis to persist the index in Redis, or remove redisUrl",
+            )
+        )
     return out
 
 
