@@ -6,7 +6,9 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-COMPONENTS := operator controller gateway kernels worker
+# protocol first: every other component depends on kvpool-protocol, and pip must find the
+# local editable copy in the same install command.
+COMPONENTS := protocol operator controller gateway kernels worker
 SRC_DIRS := $(foreach c,$(COMPONENTS),$(c)/src)
 STAMP := $(VENV)/.kvpool-installed
 QUICK ?=

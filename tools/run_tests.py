@@ -31,7 +31,15 @@ def _counts(junit: Path) -> tuple[int, int, int]:
 
 
 def main(argv: list[str]) -> int:
-    components = argv or ["operator", "controller", "gateway", "kernels", "worker", "e2e"]
+    components = argv or [
+        "protocol",
+        "operator",
+        "controller",
+        "gateway",
+        "kernels",
+        "worker",
+        "e2e",
+    ]
     total = [0, 0, 0]
     bad: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:

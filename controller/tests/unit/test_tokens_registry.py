@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.controller.registry import Registry, SeqVerdict, check_fingerprint, split_instance_id
+from kvpool.controller.registry import Registry, SeqVerdict, check_fingerprint
 from kvpool.controller.settings import ControllerSettings
 from kvpool.controller.tokens import chunk_hashes
+from kvpool.protocol.domain import split_instance_id
 
 
 @pytest.mark.parametrize("n_tokens", [0, 1, 255, 256, 257, 1000])

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool.worker.contract import DomainFacts, domain_fingerprint
+from kvpool.protocol.domain import DomainFacts, domain_fingerprint
 
 CLI = [sys.executable, "-m", "kvpool.worker.cli"]
 READY_TIMEOUT_S = 120

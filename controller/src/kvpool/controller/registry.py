@@ -11,10 +11,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-WorkerKey = tuple[str, int]
+from kvpool.protocol.domain import split_instance_id
 
-FINGERPRINT_SEPARATOR = "~"
-FINGERPRINT_LEN = 12
+WorkerKey = tuple[str, int]
 
 
 # ---------------------------------------------------------------- cache-domain fingerprint
@@ -27,14 +26,6 @@ class FingerprintVerdict:
     accepted: bool
     fingerprint: str | None
     reason: str = ""
-
-
-def split_instance_id(instance_id: str) -> tuple[str, str | None]:
-    """``"name~0123456789ab"`` → ``("name", "0123456789ab")``; no ``~`` → ``(id, None)``."""
-    name, sep, fingerprint = instance_id.rpartition(FINGERPRINT_SEPARATOR)
-    if not sep:
-        return instance_id, None
-    return name, fingerprint
 
 
 def check_fingerprint(

@@ -12,11 +12,12 @@ from collections.abc import Iterable
 from kvpool.operator.api.common import Condition, InstanceStatus
 from kvpool.operator.api.members import MemberStatus, P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool, KVCachePoolStatus
-from kvpool.operator.render import names
+from kvpool.operator.derive import names
+from kvpool.operator.derive.instances import instance_url, member_instances
+from kvpool.operator.derive.sizing import member_memory_budget
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
-from kvpool.operator.render.member_objects import member_instances
-from kvpool.operator.render.sizing import member_memory_budget
 from kvpool.operator.validation.problems import Problem, errors
+from kvpool.protocol.domain import instance_id
 
 _SEED_RULES = {1}
 _PORT_RULES = {2, 3}
@@ -117,7 +118,7 @@ def member_status(
         InstanceStatus(
             name=inst.name,
             role=inst.role,
-            lmcache_instance_id=names.instance_id(inst.name, fp),
+            lmcache_instance_id=instance_id(inst.name, fp),
             ready=inst.name in ready_instances,
             http_port=inst.http,
             ports=inst.lists,
@@ -139,9 +140,7 @@ def member_status(
         instances_ready=ready,
         instances_desired=len(instances),
         instances=instances,
-        endpoints=[
-            f"http://{names.instance_pod_host(i.name, ns)}:{i.http_port}" for i in instances
-        ],
+        endpoints=[instance_url(i.name, ns, i.http_port) for i in instances],
         memory_budget=member_memory_budget(pool, member),
     )
 
@@ -171,10 +170,8 @@ def pool_status(
         ),
         resolved_hash_seed=resolve_hash_seed(pool),
         domain_fingerprint=pool_fingerprint(pool),
-        controller_endpoint=f"http://{names.service_host(names.controller_name(pool), ns)}:"
-        f"{pool.spec.controller.ports.http}",
-        gateway_endpoint=f"http://{names.service_host(names.gateway_name(pool), ns)}:"
-        f"{pool.spec.gateway.port}",
+        controller_endpoint=names.controller_url(pool),
+        gateway_endpoint=names.gateway_url(pool),
         members=[f"{m.kind}/{m.metadata.name}" for m in ordered],
         instances_ready=ready,
         instances_desired=len(all_insts),

@@ -29,14 +29,13 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
+from kvpool.protocol.domain import DomainFacts, domain_fingerprint
 from kvpool.worker.contract import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_HASH_ALGORITHM,
-    DomainFacts,
     Problem,
     check_contract,
     check_devices,
-    domain_fingerprint,
     format_problems,
     parse_lmcache_config,
 )

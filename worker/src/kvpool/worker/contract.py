@@ -10,20 +10,25 @@ and its fix. No I/O here: the CLI reads the file and the environment and passes 
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
+from kvpool.protocol.domain import (
+    FINGERPRINT_ENV,
+    INSTANCE_ID_SEPARATOR,
+    MAX_HASH_SEED,
+    REQUIRED_WORKER_ENV,
+    DomainFacts,
+    domain_fingerprint,
+    is_valid_hash_seed,
+    split_instance_id,
+)
+
 DEFAULT_CHUNK_SIZE = 256  # LMCache's default when the config omits chunk_size
 DEFAULT_HASH_ALGORITHM = "builtin"  # LMCache's default pre_caching_hash_algorithm
-FINGERPRINT_ENV = "KVPOOL_DOMAIN_FINGERPRINT"
-INSTANCE_ID_SEPARATOR = "~"
-FINGERPRINT_LEN = 12
-MAX_HASH_SEED = 4294967295
 
 # LMCache applies LMCACHE_<KEY> env vars on top of the config file: for domain keys that would
 # silently change the hashes behind the fingerprint's back.
@@ -32,12 +37,6 @@ DOMAIN_ENV_OVERRIDES = (
     "LMCACHE_PRE_CACHING_HASH_ALGORITHM",
     "LMCACHE_LMCACHE_INSTANCE_ID",
 )
-
-REQUIRED_ENV = {
-    "LMCACHE_TRACK_USAGE": "false",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-}
 
 
 @dataclass(frozen=True)
@@ -50,38 +49,6 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.field}: {self.message}. Fix: {self.fix}"
-
-
-@dataclass(frozen=True)
-class DomainFacts:
-    """The inputs of the domain fingerprint (the operator computes the same from the pool)."""
-
-    block_size: int
-    chunk_size: int
-    hash_algorithm: str
-    hash_seed: str
-    kv_dtype: str
-    model: str
-
-    def canonical_json(self) -> str:
-        return json.dumps(
-            {
-                "block_size": self.block_size,
-                "chunk_size": self.chunk_size,
-                "hash_algorithm": self.hash_algorithm,
-                "hash_seed": self.hash_seed,
-                "kv_dtype": self.kv_dtype,
-                "model": self.model,
-            },
-            sort_keys=True,
-            separators=(",", ":"),
-        )
-
-
-def domain_fingerprint(facts: DomainFacts) -> str:
-    """First 12 hex chars of sha256 over the canonical JSON of the domain facts."""
-    digest = hashlib.sha256(facts.canonical_json().encode("utf-8")).hexdigest()
-    return digest[:FINGERPRINT_LEN]
 
 
 def parse_lmcache_config(text: str) -> tuple[dict[str, Any], list[Problem]]:
@@ -156,7 +123,7 @@ def domain_facts_from(
 def check_environment(env: Mapping[str, str]) -> list[Problem]:
     """DESIGN.md rule 9 and rule 1: the variables every worker process must carry."""
     problems: list[Problem] = []
-    for name, want in REQUIRED_ENV.items():
+    for name, want in REQUIRED_WORKER_ENV.items():
         got = env.get(name)
         if got != want:
             shown = "unset" if got is None else f"{got!r}"
@@ -172,7 +139,7 @@ def check_environment(env: Mapping[str, str]) -> list[Problem]:
                 "set the domain's seed (the KVCachePool status shows it)",
             )
         )
-    elif not seed.isdigit() or int(seed) > MAX_HASH_SEED:
+    elif not is_valid_hash_seed(seed):
         problems.append(
             Problem(
                 "PYTHONHASHSEED",
@@ -227,8 +194,8 @@ def check_fingerprint(
             )
         )
     else:
-        name, sep, suffix = str(instance).rpartition(INSTANCE_ID_SEPARATOR)
-        if not sep or not name:
+        name, suffix = split_instance_id(str(instance))
+        if suffix is None or not name:
             problems.append(
                 Problem(
                     "lmcache_instance_id",

@@ -20,6 +20,7 @@ from kvpool.operator.api.common import (
     Resources,
     cel_rules,
 )
+from kvpool.protocol.domain import DEFAULT_CONTROLLER_PORTS as _PORTS
 
 KvDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8"]
 
@@ -112,10 +113,21 @@ class Tiers(ApiModel):
 class ControllerPorts(ApiModel):
     """Controller ports, mirroring lmcache_controller's --port and --monitor-ports."""
 
-    http: int = Field(default=9000, ge=1, le=65535, description="HTTP API. Default 9000.")
-    pull: int = Field(default=8300, ge=1, le=65535, description="ZMQ PULL. Default 8300.")
-    reply: int = Field(default=8400, ge=1, le=65535, description="ZMQ ROUTER. Default 8400.")
-    heartbeat: int = Field(default=8500, ge=1, le=65535, description="Heartbeat. Default 8500.")
+    http: int = Field(
+        default=_PORTS.http, ge=1, le=65535, description=f"HTTP API. Default {_PORTS.http}."
+    )
+    pull: int = Field(
+        default=_PORTS.pull, ge=1, le=65535, description=f"ZMQ PULL. Default {_PORTS.pull}."
+    )
+    reply: int = Field(
+        default=_PORTS.reply, ge=1, le=65535, description=f"ZMQ ROUTER. Default {_PORTS.reply}."
+    )
+    heartbeat: int = Field(
+        default=_PORTS.heartbeat,
+        ge=1,
+        le=65535,
+        description=f"Heartbeat. Default {_PORTS.heartbeat}.",
+    )
 
 
 class Persistence(ApiModel):

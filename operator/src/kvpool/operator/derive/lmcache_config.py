@@ -16,6 +16,7 @@ from kvpool.operator.quantity import GIB
 from kvpool.operator.render import names
 from kvpool.operator.render.ports import InstancePorts
 from kvpool.operator.render.sizing import default_pd_buffer_device
+from kvpool.protocol.domain import instance_id
 
 #: Top-level keys of lmcache 0.5.6 ``lmcache.v1.config._CONFIG_DEFINITIONS`` that kvpool may render
 #: or accept as overrides (the e2e test asserts each one exists in the installed LMCache).
@@ -204,7 +205,7 @@ def _common(pool: KVCachePool, inst: InstancePorts, fingerprint: str) -> dict[st
     return {
         "chunk_size": pool.spec.chunk_size,
         "pre_caching_hash_algorithm": pool.spec.hash_algorithm,
-        "lmcache_instance_id": names.instance_id(inst.name, fingerprint),
+        "lmcache_instance_id": instance_id(inst.name, fingerprint),
     }
 
 

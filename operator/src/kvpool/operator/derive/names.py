@@ -52,6 +52,17 @@ def instance_pod_host(instance: str, namespace: str) -> str:
     return f"{instance}-0.{instance}.{namespace}.svc"
 
 
+def controller_url(pool: KVCachePool) -> str:
+    """The controller's HTTP API inside the cluster (gateway config, status endpoint)."""
+    host = service_host(controller_name(pool), pool.metadata.namespace)
+    return f"http://{host}:{pool.spec.controller.ports.http}"
+
+
+def gateway_url(pool: KVCachePool) -> str:
+    """The gateway's OpenAI endpoint inside the cluster."""
+    return f"http://{service_host(gateway_name(pool), pool.metadata.namespace)}:{pool.spec.gateway.port}"
+
+
 def lmcache_configmap_name(member: P2PGroup | PDPair) -> str:
     """ConfigMap with one LMCache YAML per instance, key ``<instance>.yaml``."""
     return f"{member.metadata.name}-lmcache"
@@ -60,11 +71,6 @@ def lmcache_configmap_name(member: P2PGroup | PDPair) -> str:
 def instance_config_key(instance: str) -> str:
     """Key of an instance's LMCache YAML in the member's ConfigMap."""
     return f"{instance}.yaml"
-
-
-def instance_id(instance: str, fingerprint: str) -> str:
-    """lmcache_instance_id: ``<instance>~<fingerprint>``, so registration reveals the domain."""
-    return f"{instance}~{fingerprint}"
 
 
 def pool_labels(pool: KVCachePool, component: str) -> dict[str, str]:

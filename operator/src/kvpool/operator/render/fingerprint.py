@@ -1,45 +1,19 @@
-"""The cache-domain fingerprint and the domain's hash seed.
+"""The cache-domain fingerprint of a pool and the domain's hash seed.
 
 Why: two processes only share KV if they hash tokens identically, which depends on the seed,
 chunk size, hash algorithm, model, KV dtype and block size. The fingerprint condenses those
 into 12 hex characters that travel with every process (env) and every LMCache instance id, so
-the controller can refuse a worker of another domain from its registration alone. The
-controller and the worker reimplement this exact function; the golden test pins it.
+the controller can refuse a worker of another domain from its registration alone. The function
+itself is :func:`kvpool.protocol.domain.domain_fingerprint` (the worker checks with the same
+one); this module only says which pool settings feed it and resolves ``hashSeed: auto``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 
 from kvpool.operator.api.pool import KVCachePool
-
-_SEED_MODULUS = 2**32 - 1  # PYTHONHASHSEED accepts 0..4294967295
-
-
-def domain_fingerprint(
-    *,
-    block_size: int,
-    chunk_size: int,
-    hash_algorithm: str,
-    hash_seed: str,
-    kv_dtype: str,
-    model: str,
-) -> str:
-    """sha256 of the canonical JSON of the domain settings, first 12 hex characters."""
-    canonical = json.dumps(
-        {
-            "block_size": int(block_size),
-            "chunk_size": int(chunk_size),
-            "hash_algorithm": str(hash_algorithm),
-            "hash_seed": str(hash_seed),
-            "kv_dtype": str(kv_dtype),
-            "model": str(model),
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-    )
-    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+from kvpool.protocol.domain import MAX_HASH_SEED, DomainFacts, domain_fingerprint
 
 
 def resolve_hash_seed(pool: KVCachePool) -> str:
@@ -55,17 +29,19 @@ def resolve_hash_seed(pool: KVCachePool) -> str:
         return pool.status.resolved_hash_seed
     identity = pool.metadata.uid or f"{pool.metadata.namespace}/{pool.metadata.name}"
     digest = hashlib.sha256(f"kvpool-seed:{identity}".encode()).digest()
-    return str(int.from_bytes(digest[:8], "big") % _SEED_MODULUS)
+    return str(int.from_bytes(digest[:8], "big") % MAX_HASH_SEED)
 
 
 def pool_fingerprint(pool: KVCachePool) -> str:
     """The fingerprint of ``pool``'s domain with its resolved seed."""
     spec = pool.spec
     return domain_fingerprint(
-        block_size=spec.block_size,
-        chunk_size=spec.chunk_size,
-        hash_algorithm=spec.hash_algorithm,
-        hash_seed=resolve_hash_seed(pool),
-        kv_dtype=spec.model.kv_dtype,
-        model=spec.model.name,
+        DomainFacts(
+            block_size=spec.block_size,
+            chunk_size=spec.chunk_size,
+            hash_algorithm=spec.hash_algorithm,
+            hash_seed=resolve_hash_seed(pool),
+            kv_dtype=spec.model.kv_dtype,
+            model=spec.model.name,
+        )
     )

@@ -12,8 +12,9 @@ from typing import Any
 
 from kvpool.operator.api.common import Placement, Resources
 from kvpool.operator.api.pool import KVCachePool
-from kvpool.operator.render import names
+from kvpool.operator.derive import names
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
+from kvpool.protocol.domain import FINGERPRINT_ENV
 
 Obj = dict[str, Any]
 
@@ -40,7 +41,7 @@ def domain_env(pool: KVCachePool) -> list[Obj]:
     """Env every process of the domain gets: one PYTHONHASHSEED (rule 1) and the fingerprint."""
     return [
         env("PYTHONHASHSEED", resolve_hash_seed(pool)),
-        env("KVPOOL_DOMAIN_FINGERPRINT", pool_fingerprint(pool)),
+        env(FINGERPRINT_ENV, pool_fingerprint(pool)),
     ]
 
 

@@ -19,6 +19,7 @@ from kvpool.operator.render import k8s, names
 from kvpool.operator.render.fingerprint import pool_fingerprint
 from kvpool.operator.render.lmcache_config import p2p_config, pd_config, pd_sender_pull
 from kvpool.operator.render.ports import InstancePorts, p2p_ports, pd_ports
+from kvpool.protocol.domain import REQUIRED_WORKER_ENV
 
 Obj = k8s.Obj
 
@@ -27,9 +28,7 @@ def worker_env(pool: KVCachePool, engine: EngineSpec, inst: InstancePorts) -> li
     """Rule 9 env plus the domain env (rule 1) and the pod IP for LMCache's host keys."""
     out = [
         *k8s.domain_env(pool),
-        k8s.env("LMCACHE_TRACK_USAGE", "false"),
-        k8s.env("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
-        k8s.env("VLLM_WORKER_MULTIPROC_METHOD", "spawn"),
+        *(k8s.env(name, value) for name, value in REQUIRED_WORKER_ENV.items()),
         k8s.env("LMCACHE_CONFIG_FILE", names.LMCACHE_CONFIG_FILE),
         k8s.env("KVPOOL_INSTANCE", inst.name),
         k8s.field_env("POD_IP", "status.podIP"),

@@ -25,8 +25,8 @@ from kvpool.operator.render.member_objects import member_instances
 from kvpool.operator.render.ports import member_port_range
 from kvpool.operator.render.sizing import chunk_bytes_per_rank, kv_bytes_per_token_per_rank
 from kvpool.operator.validation.problems import Problem
+from kvpool.protocol.domain import MAX_HASH_SEED
 
-MAX_HASH_SEED = 4294967295
 _DOMAIN_FLAGS = ("--block-size", "--max-model-len", "--tensor-parallel-size", "--port", "--model")
 
 Members = list[P2PGroup | PDPair]
