@@ -36,6 +36,22 @@ REQUIRED_WORKER_ENV: Final = MappingProxyType(
     }
 )
 
+#: vLLM flags ``kvpool-worker`` derives from the cache domain and the rendered config: passing
+#: one again in an engine's extra args would fork the domain's facts, so the worker refuses them
+#: at start and the operator refuses them in ``engine.args`` at admission.
+WORKER_VLLM_FLAGS: Final = (
+    "--model",
+    "--kv-transfer-config",
+    "--block-size",
+    "--dtype",
+    "--kv-cache-dtype",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--tensor-parallel-size",
+    "--max-model-len",
+)
+
 
 @dataclass(frozen=True)
 class ControllerPorts:

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvpool.protocol.domain import WORKER_VLLM_FLAGS
+
 Platform = Literal["ascend", "cuda"]
 AscendConnector = Literal["dynamic", "builtin"]
 KvRole = Literal["kv_both", "kv_producer", "kv_consumer"]
@@ -28,20 +30,6 @@ CUDA_CONNECTOR = "LMCacheConnectorV1"
 
 # vLLM's --dtype values; any other KV dtype (fp8, fp8_e4m3, ...) goes to --kv-cache-dtype.
 MODEL_DTYPES = frozenset({"float16", "bfloat16", "float32", "half", "float", "auto"})
-
-# Flags this module owns: passing them again in extra args would fork the domain's facts.
-OWNED_FLAGS = (
-    "--model",
-    "--kv-transfer-config",
-    "--block-size",
-    "--dtype",
-    "--kv-cache-dtype",
-    "--served-model-name",
-    "--host",
-    "--port",
-    "--tensor-parallel-size",
-    "--max-model-len",
-)
 
 
 class VllmCommandError(ValueError):
@@ -109,7 +97,7 @@ def kv_transfer_config(config: Mapping[str, Any], launch: VllmLaunch) -> dict[st
 def _check_extra_args(extra: Sequence[str]) -> None:
     for arg in extra:
         flag = arg.split("=", 1)[0]
-        if flag in OWNED_FLAGS:
+        if flag in WORKER_VLLM_FLAGS:
             raise VllmCommandError(
                 f"{flag} is set by kvpool-worker from the cache domain; remove it from the "
                 "extra vLLM arguments and use the worker's own flag instead"
