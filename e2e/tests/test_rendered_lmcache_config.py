@@ -19,9 +19,9 @@ import pytest
 import yaml
 from lmcache.v1.config import _CONFIG_DEFINITIONS, LMCacheEngineConfig
 
+from kvpool.operator.derive.lmcache_config import ASCEND_ONLY_KEYS, UPSTREAM_KEYS
 from kvpool.operator.loader import load_text
 from kvpool.operator.render import lmcache_configs
-from kvpool.operator.render.lmcache_config import ASCEND_ONLY_KEYS, UPSTREAM_KEYS
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from op_builders import p2p, pd, pool
 
-from kvpool.operator.render.lmcache_config import pd_sender_pull
-from kvpool.operator.render.ports import member_port_range, p2p_ports, pd_ports
+from kvpool.operator.derive.platform import pd_sender_pull
+from kvpool.operator.derive.ports import member_port_range, p2p_ports, pd_ports
 from kvpool.operator.validation import validate_domain
 
 SIZES = st.integers(min_value=1, max_value=8)

@@ -10,10 +10,10 @@ import pytest
 from op_builders import EXAMPLES
 
 from kvpool.operator.api import P2PGroup
+from kvpool.operator.derive.lmcache_config import ASCEND_ONLY_KEYS
 from kvpool.operator.loader import load_text
 from kvpool.operator.render import lmcache_configs
 from kvpool.operator.render.fingerprint import pool_fingerprint
-from kvpool.operator.render.lmcache_config import ASCEND_ONLY_KEYS
 
 PER_RANK = (
     "lmcache_worker_ports",

@@ -262,6 +262,7 @@ def test_overrides_reject_managed_unknown_and_foreign_keys() -> None:
     assert messages == [
         "chunk_sise is not a key of the pinned LMCache (0.5.6); LMCache would ignore it silently",
         "chunk_size is derived by kvpool from the pool and member spec",
+        "remote_serde is derived by kvpool from the pool and member spec",
         "store_async is an LMCache-Ascend key; LMCache on cuda ignores it",
     ]
 

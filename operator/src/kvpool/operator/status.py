@@ -154,7 +154,6 @@ def pool_status(
     previous: KVCachePoolStatus | None = None,
 ) -> KVCachePoolStatus:
     """Status of a KVCachePool: the whole domain's conditions, seed, endpoints and budgets."""
-    ns = pool.metadata.namespace
     all_insts = [i.name for m in members for i in member_instances(m)]
     ready = sum(1 for name in all_insts if name in ready_instances)
     ordered = sorted(members, key=lambda m: (m.kind, m.metadata.name))
@@ -179,3 +178,25 @@ def pool_status(
             f"{m.kind}/{m.metadata.name}": member_memory_budget(pool, m) for m in ordered
         },
     )
+
+
+def set_condition(
+    current: list[Condition],
+    ctype: str,
+    ok: bool,
+    reasons: tuple[str, str],
+    message: str,
+    previous: list[Condition],
+    now: str,
+    generation: int | None,
+) -> list[Condition]:
+    """``current`` with condition ``ctype`` replaced by an observation made outside validation
+    (the operator's drift check, a missing pool, a blocked deletion); ``reasons`` is (when ok,
+    when not). lastTransitionTime is kept when the status did not change."""
+    new = _condition(ctype, ok, reasons[0], reasons[1], message, previous, now, generation)
+    return [new if c.type == ctype else c for c in current]
+
+
+def summary(problems: list[Problem]) -> str:
+    """The one-line form of ``problems`` that condition messages carry."""
+    return _summary(problems)

@@ -146,5 +146,10 @@ class MemoryBudget(ApiModel):
     workers: int = Field(description="Number of LMCache workers (instances x TP ranks).")
     per_worker_bytes: int
     per_instance_bytes: int
+    pod_memory_request_bytes: int = Field(
+        default=0,
+        description="Memory the largest worker pod requests: its LMCache host memory plus the "
+        "engine's own resources.requests.memory.",
+    )
     total_bytes: int
     formula: str = Field(description="The computation, written out for a person to check.")

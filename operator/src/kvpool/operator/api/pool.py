@@ -128,6 +128,18 @@ class ControllerPorts(ApiModel):
         le=65535,
         description=f"Heartbeat. Default {_PORTS.heartbeat}.",
     )
+    pub: int = Field(
+        default=_PORTS.pub,
+        ge=1,
+        le=65535,
+        description=f"ZMQ PUB of index deltas (the gateway's replica). Default {_PORTS.pub}.",
+    )
+    snapshot: int = Field(
+        default=_PORTS.snapshot,
+        ge=1,
+        le=65535,
+        description=f"ZMQ ROUTER answering index snapshots. Default {_PORTS.snapshot}.",
+    )
 
 
 class Persistence(ApiModel):
@@ -155,7 +167,8 @@ class ControllerSpec(ApiModel):
 
 
 class RoutingWeights(ApiModel):
-    """Scoring weights: score = prefixHit x cached tokens - load x queued requests."""
+    """kv-aware scoring weights: score = prefixHit x tier-weighted cached prefix tokens -
+    load x (queued prefill tokens + chunkSize x in-flight requests), see gateway/README.md."""
 
     prefix_hit: float = Field(default=1.0, ge=0, description="Default 1.0.")
     load: float = Field(default=0.5, ge=0, description="Default 0.5.")
@@ -164,8 +177,10 @@ class RoutingWeights(ApiModel):
 class Routing(ApiModel):
     """Gateway routing policy."""
 
-    policy: Literal["kv-aware", "least-load", "round-robin"] = Field(
-        default="kv-aware", description="Default kv-aware."
+    policy: Literal["kv-aware", "session", "least-load", "round-robin"] = Field(
+        default="kv-aware",
+        description="kv-aware (cached prefix vs load), session (x-session-id or user, "
+        "consistent hashing), least-load or round-robin. Default kv-aware.",
     )
     weights: RoutingWeights = Field(default_factory=RoutingWeights)
 

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.operator.api.members import EngineSpec, P2PGroup, PDPair
+from kvpool.operator.api.members import P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
+from kvpool.operator.derive import names
+from kvpool.operator.derive.platform import (
+    default_channel,
+    default_pd_buffer_device,
+    pd_delay_pull,
+    pd_sender_pull,
+)
+from kvpool.operator.derive.ports import InstancePorts
 from kvpool.operator.quantity import GIB
-from kvpool.operator.render import names
-from kvpool.operator.render.ports import InstancePorts
-from kvpool.operator.render.sizing import default_pd_buffer_device
 from kvpool.protocol.domain import instance_id
 
 #: Top-level keys of lmcache 0.5.6 ``lmcache.v1.config._CONFIG_DEFINITIONS`` that kvpool may render
@@ -110,55 +115,7 @@ ASCEND_ONLY_KEYS: frozenset[str] = frozenset(
     ]
 )
 
-#: Keys kvpool derives itself; an override of one is an error (it would break the contract).
-#: Every Ascend key except the store_async pair is derived from the transfer spec too.
-MANAGED_KEYS: frozenset[str] = (
-    ASCEND_ONLY_KEYS - {"store_async", "store_async_max_queue_size"}
-) | frozenset(
-    [
-        "chunk_size",
-        "local_cpu",
-        "max_local_cpu_size",
-        "local_disk",
-        "max_local_disk_size",
-        "remote_url",
-        "pre_caching_hash_algorithm",
-        "enable_p2p",
-        "p2p_host",
-        "p2p_init_ports",
-        "p2p_lookup_ports",
-        "enable_controller",
-        "lmcache_instance_id",
-        "controller_pull_url",
-        "controller_reply_url",
-        "lmcache_worker_ports",
-        "enable_pd",
-        "pd_role",
-        "pd_buffer_size",
-        "pd_buffer_device",
-        "pd_peer_host",
-        "pd_peer_init_port",
-        "pd_peer_alloc_port",
-        "pd_proxy_host",
-        "pd_proxy_port",
-        "transfer_channel",
-        "nixl_backends",
-        "extra_config",
-        "save_unfull_chunk",
-        "use_layerwise",
-        "enable_async_loading",
-        "cache_policy",
-    ]
-)
-
 WORKER_SOCKET_RECV_TIMEOUT_MS = 3000
-
-_CHANNEL_DEFAULT = {"ascend": "hccl", "cuda": "nixl", "cpu": "nixl"}
-
-
-def default_channel(platform: str, channel: str | None) -> str:
-    """transfer_channel when the spec leaves it unset."""
-    return channel or _CHANNEL_DEFAULT[platform]
 
 
 def _gb(size: int) -> float:
@@ -221,17 +178,11 @@ def _controller(pool: KVCachePool, inst: InstancePorts) -> dict[str, Any]:
     }
 
 
-def _with_overrides(cfg: dict[str, Any], engine: EngineSpec) -> dict[str, Any]:
-    for key, value in sorted(engine.lmcache_overrides.items()):
-        if key not in MANAGED_KEYS:
-            cfg[key] = value
-    return dict(sorted(cfg.items()))
-
-
 def p2p_config(
     pool: KVCachePool, group: P2PGroup, inst: InstancePorts, fingerprint: str
 ) -> dict[str, Any]:
-    """LMCache config of one P2P instance (kv_both, registered with the controller)."""
+    """kvpool's LMCache settings of one P2P instance (kv_both, registered with the controller);
+    every key returned is owned by kvpool (see derive/ownership.py for the overrides)."""
     spec = group.spec
     platform = spec.engine.platform
     transfer = spec.transfer
@@ -278,18 +229,13 @@ def p2p_config(
         extra["save_only_first_rank"] = True
     if extra:
         cfg["extra_config"] = dict(sorted(extra.items()))
-    return _with_overrides(cfg, spec.engine)
-
-
-def pd_sender_pull(pair: PDPair) -> bool:
-    """Whether the PD mode makes the decoder pull (the sender then collects Done)."""
-    return pair.spec.transfer.mode != "push"
+    return dict(sorted(cfg.items()))
 
 
 def pd_config(
     pool: KVCachePool, pair: PDPair, inst: InstancePorts, fingerprint: str
 ) -> dict[str, Any]:
-    """LMCache config of one prefill (sender) or decode (receiver) instance."""
+    """kvpool's LMCache settings of one prefill (sender) or decode (receiver) instance."""
     spec = pair.spec
     role = spec.prefill if inst.role == "prefill" else spec.decode
     platform = role.engine.platform
@@ -310,7 +256,7 @@ def pd_config(
     if channel == "nixl":
         cfg["nixl_backends"] = ["UCX"]
     pull = pd_sender_pull(pair)
-    delay = transfer.mode in ("pull-delay", "cpu-offload-pull-delay")
+    delay = pd_delay_pull(pair)
     if inst.role == "prefill":
         gateway = names.service_host(names.gateway_name(pool), ns)
         cfg.update(
@@ -344,4 +290,4 @@ def pd_config(
         if platform == "ascend":
             cfg["pd_pull_mode"] = pull
             cfg["pd_delay_pull"] = delay
-    return _with_overrides(cfg, role.engine)
+    return dict(sorted(cfg.items()))

@@ -60,7 +60,8 @@ def controller_url(pool: KVCachePool) -> str:
 
 def gateway_url(pool: KVCachePool) -> str:
     """The gateway's OpenAI endpoint inside the cluster."""
-    return f"http://{service_host(gateway_name(pool), pool.metadata.namespace)}:{pool.spec.gateway.port}"
+    host = service_host(gateway_name(pool), pool.metadata.namespace)
+    return f"http://{host}:{pool.spec.gateway.port}"
 
 
 def lmcache_configmap_name(member: P2PGroup | PDPair) -> str:

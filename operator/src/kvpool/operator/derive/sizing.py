@@ -1,7 +1,8 @@
 """KV sizes and the host memory budget of the seed manual (§5.5), as pure arithmetic.
 
 Why: buffers smaller than one chunk fail at runtime, and host memory must be summed per worker
-(TP rank), not per instance. Render, validation and status all need these same numbers.
+(TP rank), not per instance. Render (the memory each worker pod requests), validation (buffer
+checks, the allocatable-memory warning) and status (the budget) all need these same numbers.
 """
 
 from __future__ import annotations
@@ -9,9 +10,12 @@ from __future__ import annotations
 import math
 
 from kvpool.operator.api.common import MemoryBudget
-from kvpool.operator.api.members import P2PGroup, PDPair, PDPairSpec
+from kvpool.operator.api.members import EngineSpec, P2PGroup, PDPair
 from kvpool.operator.api.pool import DTYPE_BYTES, KVCachePool
-from kvpool.operator.quantity import format_bytes
+from kvpool.operator.derive.platform import default_pd_buffer_device
+from kvpool.operator.quantity import format_bytes, parse_quantity
+
+Parts = list[tuple[str, int]]
 
 
 def kv_bytes_per_token_per_rank(pool: KVCachePool, tp: int) -> int:
@@ -20,8 +24,8 @@ def kv_bytes_per_token_per_rank(pool: KVCachePool, tp: int) -> int:
     dtype = DTYPE_BYTES[model.kv_dtype]
     if model.mla:
         return model.num_layers * model.head_dim * dtype
-    heads_per_rank = max(1, math.ceil(model.num_kv_heads / tp))
-    return model.num_layers * 2 * heads_per_rank * model.head_dim * dtype
+    heads = max(1, math.ceil(model.num_kv_heads / tp))
+    return model.num_layers * 2 * heads * model.head_dim * dtype
 
 
 def chunk_bytes_per_rank(pool: KVCachePool, tp: int) -> int:
@@ -29,51 +33,78 @@ def chunk_bytes_per_rank(pool: KVCachePool, tp: int) -> int:
     return pool.spec.chunk_size * kv_bytes_per_token_per_rank(pool, tp)
 
 
-def _budget(
-    pool: KVCachePool, tp: int, instances: int, parts: list[tuple[str, int]]
-) -> MemoryBudget:
-    per_worker = sum(size for _, size in parts)
-    workers = instances * tp
-    terms = " + ".join(f"{format_bytes(size)} {name}" for name, size in parts) or "0"
-    formula = (
-        f"{instances} instances x TP {tp} = {workers} workers x ({terms}) = "
-        f"{format_bytes(workers * per_worker)}"
-    )
-    return MemoryBudget(
-        kv_bytes_per_token_per_rank=kv_bytes_per_token_per_rank(pool, tp),
-        chunk_bytes_per_rank=chunk_bytes_per_rank(pool, tp),
-        workers=workers,
-        per_worker_bytes=per_worker,
-        per_instance_bytes=per_worker * tp,
-        total_bytes=workers * per_worker,
-        formula=formula,
-    )
+def _mooncake(pool: KVCachePool) -> Parts:
+    remote = pool.spec.tiers.remote
+    if remote is None or remote.mooncake is None:
+        return []
+    return [("Mooncake buffer", remote.mooncake.local_buffer_size)]
+
+
+def rank_parts(pool: KVCachePool, member: P2PGroup | PDPair, role: str) -> Parts:
+    """Host memory one LMCache worker (TP rank) of ``role`` pins, by purpose."""
+    if isinstance(member, P2PGroup):
+        staging = member.spec.transfer.host_staging
+        parts: Parts = [("staging", staging.bytes)] if staging.enabled else []
+        return [*parts, ("CPU cache", pool.spec.tiers.cpu.size), *_mooncake(pool)]
+    transfer = member.spec.transfer
+    parts = []  # PD instances run without the local CPU tier
+    if role == "prefill" and transfer.mode == "cpu-offload-pull-delay":
+        parts.append(("PD CPU buffer", transfer.cpu_buffer_size))
+    if default_pd_buffer_device(member) == "cpu":
+        parts.append(("PD buffer", transfer.buffer_size))
+    return [*parts, *_mooncake(pool)]
+
+
+def engine_memory_bytes(engine: EngineSpec) -> int:
+    """The engine's own memory request (engine.resources.requests.memory), 0 when unset."""
+    value = engine.resources.requests.get("memory")
+    return parse_quantity(value) if value is not None else 0
+
+
+def _groups(member: P2PGroup | PDPair) -> list[tuple[str, str, int, int, EngineSpec]]:
+    """(label, role, instances, TP, engine) of each kind of instance of a member."""
+    if isinstance(member, P2PGroup):
+        s = member.spec
+        return [("instances", "p2p", s.replicas, s.tensor_parallel_size, s.engine)]
+    p, d = member.spec.prefill, member.spec.decode
+    return [
+        ("prefill", "prefill", p.replicas, p.tensor_parallel_size, p.engine),
+        ("decode", "decode", d.replicas, d.tensor_parallel_size, d.engine),
+    ]
+
+
+def instance_host_bytes(pool: KVCachePool, member: P2PGroup | PDPair, role: str, tp: int) -> int:
+    """LMCache host memory of one instance: TP ranks x what each rank pins."""
+    return tp * sum(size for _, size in rank_parts(pool, member, role))
+
+
+def _terms(parts: Parts) -> str:
+    return " + ".join(f"{format_bytes(size)} {name}" for name, size in parts) or "0"
 
 
 def member_memory_budget(pool: KVCachePool, member: P2PGroup | PDPair) -> MemoryBudget:
-    """Host memory of a member: workers x (staging + CPU cache [+ PD CPU buffer])."""
-    cpu = pool.spec.tiers.cpu.size
-    if isinstance(member, P2PGroup):
-        spec = member.spec
-        p2p_parts = [("CPU cache", cpu)]
-        if spec.transfer.host_staging.enabled:
-            p2p_parts.insert(0, ("staging", spec.transfer.host_staging.bytes))
-        return _budget(pool, spec.tensor_parallel_size, spec.replicas, p2p_parts)
-    pd = member.spec
-    tp = max(pd.prefill.tensor_parallel_size, pd.decode.tensor_parallel_size)
-    parts: list[tuple[str, int]] = []  # PD instances run without the local CPU tier
-    if pd.transfer.mode == "cpu-offload-pull-delay":
-        parts.append(("PD CPU buffer", pd.transfer.cpu_buffer_size))
-    if default_pd_buffer_device(member) == "cpu":
-        parts.append(("PD buffer", pd.transfer.buffer_size))
-    return _budget(pool, tp, pd.prefill.replicas + pd.decode.replicas, parts)
-
-
-def _default_pd_device(pd: PDPairSpec) -> str:
-    platform = pd.prefill.engine.platform
-    return {"ascend": "npu", "cuda": "cuda", "cpu": "cpu"}[platform]
-
-
-def default_pd_buffer_device(member: PDPair) -> str:
-    """pd_buffer_device when the spec leaves it unset: the accelerator, or cpu on cpu."""
-    return member.spec.transfer.buffer_device or _default_pd_device(member.spec)
+    """Host memory of a member: workers x (staging + CPU cache [+ PD buffers, Mooncake])."""
+    groups = _groups(member)
+    pieces: list[str] = []
+    total = workers = per_worker = per_instance = pod_request = 0
+    for label, role, count, tp, engine in groups:
+        parts = rank_parts(pool, member, role)
+        rank_bytes = sum(size for _, size in parts)
+        pieces.append(f"{count} {label} x TP {tp} = {count * tp} workers x ({_terms(parts)})")
+        total += count * tp * rank_bytes
+        workers += count * tp
+        per_worker = max(per_worker, rank_bytes)
+        per_instance = max(per_instance, tp * rank_bytes)
+        pod_request = max(pod_request, tp * rank_bytes + engine_memory_bytes(engine))
+    formula = " + ".join(pieces) + f" = {format_bytes(total)}"
+    tp_first = groups[0][3]
+    return MemoryBudget(
+        kv_bytes_per_token_per_rank=kv_bytes_per_token_per_rank(pool, tp_first),
+        chunk_bytes_per_rank=chunk_bytes_per_rank(pool, tp_first),
+        workers=workers,
+        per_worker_bytes=per_worker,
+        per_instance_bytes=per_instance,
+        pod_memory_request_bytes=pod_request,
+        total_bytes=total,
+        formula=formula,
+    )

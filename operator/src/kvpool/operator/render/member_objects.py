@@ -13,12 +13,22 @@ from typing import Any
 
 import yaml
 
+from kvpool.operator.api.common import Resources
 from kvpool.operator.api.members import EngineSpec, P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
-from kvpool.operator.render import k8s, names
+from kvpool.operator.derive import names
+from kvpool.operator.derive.instances import (
+    WORKER_SHUTDOWN_DEADLINE_SECONDS,
+    Instance,
+    instances,
+    worker_command,
+)
+from kvpool.operator.derive.ownership import instance_configs
+from kvpool.operator.derive.ports import InstancePorts
+from kvpool.operator.derive.sizing import instance_host_bytes
+from kvpool.operator.quantity import parse_quantity
+from kvpool.operator.render import k8s
 from kvpool.operator.render.fingerprint import pool_fingerprint
-from kvpool.operator.render.lmcache_config import p2p_config, pd_config, pd_sender_pull
-from kvpool.operator.render.ports import InstancePorts, p2p_ports, pd_ports
 from kvpool.protocol.domain import REQUIRED_WORKER_ENV
 
 Obj = k8s.Obj
@@ -40,48 +50,33 @@ def worker_env(pool: KVCachePool, engine: EngineSpec, inst: InstancePorts) -> li
     return out
 
 
-WORKER_SHUTDOWN_DEADLINE_SECONDS = 30
 WORKER_GRACE_SECONDS = WORKER_SHUTDOWN_DEADLINE_SECONDS + 15
 
 
-def worker_command(
-    pool: KVCachePool, engine: EngineSpec, tp: int, inst: InstancePorts
-) -> list[str]:
-    """``kvpool-worker serve``: vLLM on ascend/cuda, the reference engine on cpu.
+def _quantity(value: int) -> str:
+    """Bytes as the shortest exact Kubernetes quantity (``4Gi``, ``1536Mi``, ``1000``)."""
+    for suffix, unit in (("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if value and value % unit == 0:
+            return f"{value // unit}{suffix}"
+    return str(value)
 
-    The worker derives vLLM's --kv-transfer-config (connector, kv_role from pd_role,
-    discard_partial_chunks, skip_last_n_tokens) from the mounted LMCache config; the operator
-    passes the domain facts and the instance's distinct lmcache_rpc_port identifier (rule 3).
-    """
-    command = [
-        "kvpool-worker",
-        "serve",
-        "--engine",
-        "reference" if engine.platform == "cpu" else "vllm",
-        "--platform",
-        engine.platform,
-        "--model",
-        pool.spec.model.name,
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(inst.http),
-        "--tensor-parallel-size",
-        str(tp),
-        "--block-size",
-        str(pool.spec.block_size),
-        "--kv-dtype",
-        pool.spec.model.kv_dtype,
-        "--max-model-len",
-        str(engine.max_model_len),
-        "--lmcache-rpc-port",
-        inst.name,
-        "--shutdown-deadline",
-        str(WORKER_SHUTDOWN_DEADLINE_SECONDS),
-    ]
-    if engine.args:
-        command += ["--", *engine.args]
-    return command
+
+def worker_resources(pool: KVCachePool, member: P2PGroup | PDPair, inst: Instance) -> Obj:
+    """The engine's resources plus the host memory LMCache pins in this pod (staging, CPU
+    cache, PD buffers, Mooncake buffer; rule 7), so the scheduler never packs more instances
+    on a node than its memory holds; accelerators requested = acceleratorCount or TP."""
+    lmcache = instance_host_bytes(pool, member, inst.role, inst.tp)
+    spec = inst.engine.resources
+    requests, limits = dict(spec.requests), dict(spec.limits)
+    if lmcache:
+        for table in (requests, limits) if "memory" in limits else (requests,):
+            table["memory"] = _quantity(parse_quantity(table.get("memory", 0)) + lmcache)
+    extra: dict[str, str] = {}
+    accelerator = inst.engine.accelerator()
+    if accelerator:
+        count = inst.engine.accelerator_count
+        extra[accelerator] = str(count if count is not None else inst.tp)
+    return k8s.resources(Resources(requests=requests, limits=limits), extra)
 
 
 def _port_names(inst: InstancePorts) -> dict[str, int]:
@@ -103,26 +98,20 @@ def _port_names(inst: InstancePorts) -> dict[str, int]:
 def instance_objects(
     pool: KVCachePool,
     member: P2PGroup | PDPair,
-    inst: InstancePorts,
-    engine: EngineSpec,
-    tp: int,
+    instance: Instance,
     mounted_config: str,
 ) -> list[Obj]:
     """StatefulSet (1 replica) and headless Service of one instance; ``mounted_config`` is the
     instance's LMCache YAML as mounted (its hash restarts the pod when it changes)."""
     ns = pool.metadata.namespace
     spec = member.spec
+    inst, engine, tp = instance.ports, instance.engine, instance.tp
     labels = {
         **names.pool_labels(pool, "worker"),
         names.LABEL_MEMBER: member.metadata.name,
         names.LABEL_INSTANCE: inst.name,
         names.LABEL_ROLE: inst.role,
     }
-    extra_limits: dict[str, str] = {}
-    accelerator = engine.accelerator()
-    if accelerator:
-        count = engine.accelerator_count if engine.accelerator_count is not None else tp
-        extra_limits[accelerator] = str(count)
     volumes: list[Obj] = [
         {
             "name": "lmcache-config",
@@ -144,10 +133,10 @@ def instance_objects(
     container = k8s.container(
         "engine",
         engine.image or pool.spec.images.worker,
-        worker_command(pool, engine, tp, inst),
+        worker_command(pool, instance),
         worker_env(pool, engine, inst),
         _port_names(inst),
-        k8s.resources(engine.resources, extra_limits),
+        worker_resources(pool, member, instance),
         # vLLM serves /health; kvpool's reference engine serves /readyz (false while draining).
         k8s.http_probe(inst.http, "/readyz" if engine.platform == "cpu" else "/health"),
     )
@@ -185,23 +174,9 @@ def instance_objects(
     return [sts, svc]
 
 
-def member_instances(member: P2PGroup | PDPair) -> list[InstancePorts]:
-    """Every instance of a member with its ports."""
-    if isinstance(member, P2PGroup):
-        return p2p_ports(member)
-    return pd_ports(member, sender_pull=pd_sender_pull(member))
-
-
 def lmcache_configs(pool: KVCachePool, member: P2PGroup | PDPair) -> dict[str, dict[str, Any]]:
     """The LMCache config of every instance, keyed by instance name."""
-    fingerprint = pool_fingerprint(pool)
-    out: dict[str, dict[str, Any]] = {}
-    for inst in member_instances(member):
-        if isinstance(member, P2PGroup):
-            out[inst.name] = p2p_config(pool, member, inst, fingerprint)
-        else:
-            out[inst.name] = pd_config(pool, member, inst, fingerprint)
-    return out
+    return instance_configs(pool, member, pool_fingerprint(pool))
 
 
 def member_objects(pool: KVCachePool, member: P2PGroup | PDPair) -> list[Obj]:
@@ -221,14 +196,9 @@ def member_objects(pool: KVCachePool, member: P2PGroup | PDPair) -> list[Obj]:
     out: list[Obj] = [
         k8s.configmap(names.lmcache_configmap_name(member), ns, base_labels, data),
     ]
-    for inst in member_instances(member):
-        if isinstance(member, P2PGroup):
-            engine, tp = member.spec.engine, member.spec.tensor_parallel_size
-        else:
-            role = member.spec.prefill if inst.role == "prefill" else member.spec.decode
-            engine, tp = role.engine, role.tensor_parallel_size
-        config = data[names.instance_config_key(inst.name)]
-        out.extend(instance_objects(pool, member, inst, engine, tp, config))
+    for instance in instances(member):
+        config = data[names.instance_config_key(instance.name)]
+        out.extend(instance_objects(pool, member, instance, config))
     out.append(
         {
             "apiVersion": "v1",

@@ -13,10 +13,12 @@ import yaml
 
 from kvpool.operator.api.members import P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
-from kvpool.operator.render import k8s, names
+from kvpool.operator.derive import names
+from kvpool.operator.derive.instances import instance_url
+from kvpool.operator.derive.platform import pd_sender_pull
+from kvpool.operator.derive.ports import p2p_ports, pd_ports
+from kvpool.operator.render import k8s
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
-from kvpool.operator.render.lmcache_config import pd_sender_pull
-from kvpool.operator.render.ports import p2p_ports, pd_ports
 
 Obj = k8s.Obj
 
@@ -59,6 +61,10 @@ def controller_objects(pool: KVCachePool) -> list[Obj]:
         str(ports.http),
         "--monitor-ports",
         monitor,
+        "--pub-port",
+        str(ports.pub),
+        "--snapshot-port",
+        str(ports.snapshot),
         "--health-check-interval",
         str(spec.health_check_interval_seconds),
         "--lmcache-worker-timeout",
@@ -79,6 +85,8 @@ def controller_objects(pool: KVCachePool) -> list[Obj]:
         "pull": ports.pull,
         "reply": ports.reply,
         "heartbeat": ports.heartbeat,
+        "pub": ports.pub,
+        "snapshot": ports.snapshot,
     }
     pod: Obj = {
         "containers": [
@@ -100,7 +108,11 @@ def controller_objects(pool: KVCachePool) -> list[Obj]:
     ]
 
 
-def _gateway_config(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> dict[str, Any]:
+def _gateway_config(
+    pool: KVCachePool,
+    members: list[P2PGroup | PDPair],
+    ready_pd_pairs: frozenset[str] | None = None,
+) -> dict[str, Any]:
     ns = pool.metadata.namespace
     spec = pool.spec
     p2p: list[dict[str, Any]] = []
@@ -113,13 +125,13 @@ def _gateway_config(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> dict
                     "instances": [
                         {
                             "name": inst.name,
-                            "url": f"http://{names.instance_pod_host(inst.name, ns)}:{inst.http}",
+                            "url": instance_url(inst.name, ns, inst.http),
                         }
                         for inst in p2p_ports(member)
                     ],
                 }
             )
-        else:
+        elif ready_pd_pairs is None or member.metadata.name in ready_pd_pairs:
             insts = pd_ports(member, sender_pull=pd_sender_pull(member))
             pd.append(
                 {
@@ -129,7 +141,7 @@ def _gateway_config(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> dict
                     "prefill": [
                         {
                             "name": i.name,
-                            "url": f"http://{names.instance_pod_host(i.name, ns)}:{i.http}",
+                            "url": instance_url(i.name, ns, i.http),
                         }
                         for i in insts
                         if i.role == "prefill"
@@ -137,7 +149,7 @@ def _gateway_config(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> dict
                     "decode": [
                         {
                             "name": i.name,
-                            "url": f"http://{names.instance_pod_host(i.name, ns)}:{i.http}",
+                            "url": instance_url(i.name, ns, i.http),
                             "host": names.instance_pod_host(i.name, ns),
                             "initPorts": i.lists["pd_peer_init_port"],
                             "allocPorts": i.lists["pd_peer_alloc_port"],
@@ -147,25 +159,33 @@ def _gateway_config(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> dict
                     ],
                 }
             )
+    controller_host = names.service_host(names.controller_name(pool), ns)
     return {
         "model": spec.model.name,
         "chunkSize": spec.chunk_size,
         "hashAlgorithm": spec.hash_algorithm,
-        "controllerUrl": f"http://{names.service_host(names.controller_name(pool), ns)}:"
-        f"{spec.controller.ports.http}",
+        "controllerUrl": names.controller_url(pool),
+        "controllerPubUrl": f"tcp://{controller_host}:{spec.controller.ports.pub}",
+        "controllerSnapshotUrl": f"tcp://{controller_host}:{spec.controller.ports.snapshot}",
         "routing": spec.gateway.routing.model_dump(by_alias=True),
         "p2pGroups": p2p,
         "pdPairs": pd,
     }
 
 
-def gateway_objects(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list[Obj]:
-    """Gateway Deployment, Service, routing ConfigMap and PDB."""
+def gateway_objects(
+    pool: KVCachePool,
+    members: list[P2PGroup | PDPair],
+    ready_pd_pairs: frozenset[str] | None = None,
+) -> list[Obj]:
+    """Gateway Deployment, Service, routing ConfigMap and PDB. The routing config lists a PD
+    pair only once it is in ``ready_pd_pairs`` (prefill and decode ready, DESIGN.md rule 8);
+    None (a dry run) lists every pair."""
     spec = pool.spec.gateway
     ns = pool.metadata.namespace
     name = names.gateway_name(pool)
     labels = names.pool_labels(pool, "gateway")
-    config = yaml.safe_dump(_gateway_config(pool, members), sort_keys=True)
+    config = yaml.safe_dump(_gateway_config(pool, members, ready_pd_pairs), sort_keys=True)
     port_map = {"http": spec.port}
     for member in sorted(members, key=lambda m: m.metadata.name):
         if isinstance(member, PDPair):
@@ -185,6 +205,7 @@ def gateway_objects(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list
         )
     command = [
         "kvpool-gateway",
+        "serve",
         "--host",
         "0.0.0.0",
         "--port",
@@ -287,11 +308,15 @@ def mooncake_objects(pool: KVCachePool) -> list[Obj]:
     return out
 
 
-def pool_objects(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list[Obj]:
-    """Every object the pool itself owns."""
+def pool_objects(
+    pool: KVCachePool,
+    members: list[P2PGroup | PDPair],
+    ready_pd_pairs: frozenset[str] | None = None,
+) -> list[Obj]:
+    """Every object the pool itself owns (``ready_pd_pairs``: see gateway_objects)."""
     return [
         domain_configmap(pool),
         *controller_objects(pool),
-        *gateway_objects(pool, members),
+        *gateway_objects(pool, members, ready_pd_pairs),
         *mooncake_objects(pool),
     ]

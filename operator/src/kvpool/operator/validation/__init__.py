@@ -9,8 +9,8 @@ from __future__ import annotations
 from kvpool.operator.api.common import MemoryBudget
 from kvpool.operator.api.members import P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
+from kvpool.operator.derive.sizing import member_memory_budget
 from kvpool.operator.quantity import format_bytes
-from kvpool.operator.render.sizing import member_memory_budget
 from kvpool.operator.validation import rules
 from kvpool.operator.validation.problems import Problem, errors, warnings
 

@@ -12,18 +12,14 @@ from collections.abc import Iterator
 
 from kvpool.operator.api.members import EngineSpec, P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
+from kvpool.operator.derive import names
+from kvpool.operator.derive.instances import member_instances
+from kvpool.operator.derive.lmcache_config import ASCEND_ONLY_KEYS, UPSTREAM_KEYS
+from kvpool.operator.derive.ownership import owned_lmcache_keys
+from kvpool.operator.derive.platform import default_channel, pd_sender_pull
+from kvpool.operator.derive.ports import member_port_range
+from kvpool.operator.derive.sizing import chunk_bytes_per_rank, kv_bytes_per_token_per_rank
 from kvpool.operator.quantity import format_bytes
-from kvpool.operator.render import names
-from kvpool.operator.render.lmcache_config import (
-    ASCEND_ONLY_KEYS,
-    MANAGED_KEYS,
-    UPSTREAM_KEYS,
-    default_channel,
-    pd_sender_pull,
-)
-from kvpool.operator.render.member_objects import member_instances
-from kvpool.operator.render.ports import member_port_range
-from kvpool.operator.render.sizing import chunk_bytes_per_rank, kv_bytes_per_token_per_rank
 from kvpool.operator.validation.problems import Problem
 from kvpool.protocol.domain import MAX_HASH_SEED
 
@@ -379,7 +375,7 @@ def rule6_and_overrides(pool: KVCachePool, members: Members) -> list[Problem]:
                             rule=8,
                         )
                     )
-                elif key in MANAGED_KEYS:
+                elif key in owned_lmcache_keys():
                     out.append(
                         Problem(
                             where(member, field),

@@ -1,0 +1,43 @@
+"""Platform defaults: transfer channel, PD buffer device, and which side of a PD pair pulls.
+
+Why: a field left unset is filled in from the platform (ascend, cuda, cpu); render emits the
+filled-in value and validation checks it, so both read it from here.
+"""
+
+from __future__ import annotations
+
+from kvpool.operator.api.members import P2PGroup, PDPair
+
+CHANNEL_DEFAULT = {"ascend": "hccl", "cuda": "nixl", "cpu": "nixl"}
+#: Transfer channels each platform's LMCache build accepts (the first is the default).
+CHANNELS = {"ascend": ("hccl", "hixl"), "cuda": ("nixl",), "cpu": ("nixl",)}
+#: pd_buffer_device values each platform can allocate (the first is the default).
+PD_BUFFER_DEVICES = {"ascend": ("npu", "cpu"), "cuda": ("cuda", "cpu"), "cpu": ("cpu",)}
+
+
+def default_channel(platform: str, channel: str | None) -> str:
+    """transfer_channel when the spec leaves it unset."""
+    return channel or CHANNEL_DEFAULT[platform]
+
+
+def member_channel(member: P2PGroup | PDPair) -> str:
+    """The transfer channel a member's instances use."""
+    if isinstance(member, P2PGroup):
+        return default_channel(member.spec.engine.platform, member.spec.transfer.channel)
+    return default_channel(member.spec.prefill.engine.platform, member.spec.transfer.channel)
+
+
+def pd_sender_pull(pair: PDPair) -> bool:
+    """Whether the PD mode makes the decoder pull (the sender then collects Done)."""
+    return pair.spec.transfer.mode != "push"
+
+
+def pd_delay_pull(pair: PDPair) -> bool:
+    """Whether the decoder pulls only when it decodes (pd_delay_pull)."""
+    return pair.spec.transfer.mode in ("pull-delay", "cpu-offload-pull-delay")
+
+
+def default_pd_buffer_device(member: PDPair) -> str:
+    """pd_buffer_device when the spec leaves it unset: the accelerator, or cpu on cpu."""
+    platform = member.spec.prefill.engine.platform
+    return member.spec.transfer.buffer_device or PD_BUFFER_DEVICES[platform][0]
