@@ -18,10 +18,18 @@ def render(pool: KVCachePool, member: P2PGroup | PDPair) -> list[Obj]:
     return member_objects(pool, member)
 
 
-def render_domain(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list[Obj]:
-    """The pool's own objects followed by every member's, members sorted by kind and name."""
+def render_domain(
+    pool: KVCachePool,
+    members: list[P2PGroup | PDPair],
+    ready_pd_pairs: frozenset[str] | None = None,
+) -> list[Obj]:
+    """The pool's own objects followed by every member's, members sorted by kind and name.
+
+    ``ready_pd_pairs``: the PDPairs whose prefill and decode sides are ready (observed by the
+    operator); only those are announced to the gateway. None (the CLI's dry run) announces all.
+    """
     ordered = sorted(members, key=lambda m: (m.kind, m.metadata.name))
-    out = pool_objects(pool, ordered)
+    out = pool_objects(pool, ordered, ready_pd_pairs)
     for member in ordered:
         out.extend(member_objects(pool, member))
     return out
