@@ -1,0 +1,113 @@
+"""Errors in OpenAI's shape, and the exception handlers that guarantee nothing else leaves.
+
+Why this module exists: clients of an OpenAI-compatible gateway parse
+``{"error": {"message", "type", "param", "code"}}``. A bad body is a 400 naming the field,
+saturation a 429 with ``Retry-After``, an upstream failure a 502/503/504 saying which
+instance and why; a stack trace never reaches a client (it goes to the log).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+def error_body(
+    message: str,
+    *,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class GatewayError(Exception):
+    """An error answered in OpenAI's shape with ``status`` (and optional headers)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type_=self.type, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(
+    message: str, param: str | None = None, code: str = "invalid_value"
+) -> GatewayError:
+    return GatewayError(message, param=param, code=code)
+
+
+def upstream_error(status: int, message: str, code: str) -> GatewayError:
+    """502 (bad answer), 503 (nobody available) or 504 (timed out)."""
+    kind = {502: "bad_gateway", 503: "service_unavailable", 504: "timeout"}.get(status, "api_error")
+    return GatewayError(message, status=status, type_=kind, code=code)
+
+
+def validation_body(exc: RequestValidationError) -> dict[str, Any]:
+    """The first problem of a pydantic validation error, naming its field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return error_body("the request body is not valid JSON", code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid request"))
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        msg = "the request body must be a JSON object"
+    where = f"{param}: " if param else ""
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return error_body(f"{where}{msg}{more}", param=param, code="invalid_value")
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Every exception becomes an OpenAI-shaped JSON answer."""
+
+    @app.exception_handler(GatewayError)
+    async def _gateway(request: Request, exc: GatewayError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(validation_body(exc), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(f"{request.method} {request.url.path}: {exc.detail}", type_=kind),
+            status_code=exc.status_code,
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", type_="internal_error"),
+            status_code=500,
+        )

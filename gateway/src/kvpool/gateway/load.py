@@ -1,0 +1,138 @@
+"""Per-instance load and optimistic prefix entries, as the router sees them. Pure: the
+caller passes the clock.
+
+Why this module exists: the controller learns that an instance holds a prefix only after
+the instance has prefilled it and LMCache has reported the admit (hundreds of milliseconds
+or more). A burst of requests sharing one new prefix would, in that window, scatter over
+the pool and prefill it N times. :class:`PendingPrefixes` remembers for a short TTL which
+instance each just-routed prompt's chunk hashes went to, so the next request of the burst
+follows the first. :class:`LoadTracker` counts what is in flight per instance: requests,
+prefill tokens not yet answered by a first byte, and a recent-TTFT average.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.gateway.routing import InstanceLoad, PrefixHit
+
+TTFT_EWMA_ALPHA = 0.2
+
+
+@dataclass
+class _Stats:
+    inflight: int = 0
+    queued_prefill_tokens: int = 0
+    ttft_s: float | None = None
+
+
+@dataclass
+class Ticket:
+    """One request admitted to one instance; hand it back on first byte and at the end."""
+
+    id: int
+    instance: str
+    prefill_tokens: int
+    started_at: float
+    first_byte: bool = False
+    done: bool = False
+
+
+class LoadTracker:
+    """In-flight requests and queued prefill tokens per instance, and a TTFT EWMA."""
+
+    def __init__(self) -> None:
+        self._stats: dict[str, _Stats] = {}
+        self._ids = itertools.count()
+
+    def load(self, instance: str) -> InstanceLoad:
+        s = self._stats.get(instance)
+        if s is None:
+            return InstanceLoad()
+        return InstanceLoad(s.inflight, s.queued_prefill_tokens, s.ttft_s)
+
+    def start(self, instance: str, prefill_tokens: int, now: float) -> Ticket:
+        s = self._stats.setdefault(instance, _Stats())
+        s.inflight += 1
+        s.queued_prefill_tokens += prefill_tokens
+        return Ticket(next(self._ids), instance, prefill_tokens, now)
+
+    def first_byte(self, ticket: Ticket, now: float) -> float:
+        """Mark the first byte of the answer; returns the TTFT it measured."""
+        ttft = max(0.0, now - ticket.started_at)
+        if ticket.first_byte or ticket.done:
+            return ttft
+        ticket.first_byte = True
+        s = self._stats.setdefault(ticket.instance, _Stats())
+        s.queued_prefill_tokens = max(0, s.queued_prefill_tokens - ticket.prefill_tokens)
+        s.ttft_s = ttft if s.ttft_s is None else s.ttft_s + TTFT_EWMA_ALPHA * (ttft - s.ttft_s)
+        return ttft
+
+    def finish(self, ticket: Ticket) -> None:
+        """The request ended (answered, failed or cancelled); idempotent."""
+        if ticket.done:
+            return
+        ticket.done = True
+        s = self._stats.setdefault(ticket.instance, _Stats())
+        s.inflight = max(0, s.inflight - 1)
+        if not ticket.first_byte:
+            s.queued_prefill_tokens = max(0, s.queued_prefill_tokens - ticket.prefill_tokens)
+
+    def forget(self, instance: str) -> None:
+        self._stats.pop(instance, None)
+
+
+class PendingPrefixes:
+    """chunk hash → (instance, expiry) for prompts routed moments ago; bounded, TTL'd.
+
+    ``max_entries`` bounds memory (oldest dropped first); entries expire after ``ttl_s``, by
+    which time the controller's index has normally caught up.
+    """
+
+    def __init__(self, ttl_s: float = 2.0, max_entries: int = 200_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, int], float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(self, instance: str, hashes: Sequence[int], now: float) -> None:
+        expiry = now + self.ttl_s
+        for h in hashes:
+            key = (instance, h)
+            self._entries.pop(key, None)
+            self._entries[key] = expiry
+        self._expire(now)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def _expire(self, now: float) -> None:
+        while self._entries:
+            expiry = next(iter(self._entries.values()))
+            if expiry > now:
+                break
+            self._entries.popitem(last=False)
+
+    def hit(self, instance: str, hashes: Sequence[int], now: float) -> int:
+        """Leading chunks of ``hashes`` recorded for ``instance`` and not expired."""
+        n = 0
+        for h in hashes:
+            expiry = self._entries.get((instance, h))
+            if expiry is None or expiry <= now:
+                break
+            n += 1
+        return n
+
+
+def merge_pending(indexed: PrefixHit | None, pending_chunks: int) -> PrefixHit | None:
+    """The index's hit, extended by chunks routed here moments ago (tier "pending")."""
+    have = indexed.hit_chunks if indexed is not None else 0
+    if pending_chunks <= have:
+        return indexed
+    per_location = dict(indexed.per_location) if indexed is not None else {}
+    per_location["pending"] = pending_chunks - have + per_location.get("pending", 0)
+    return PrefixHit(pending_chunks, per_location)
