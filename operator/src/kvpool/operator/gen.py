@@ -118,6 +118,41 @@ def model_schema(model: type[BaseModel], *, kubernetes: bool = True) -> dict[str
     return result
 
 
+_READY = {
+    "name": "Ready",
+    "type": "string",
+    "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+}
+_REASON = {
+    "name": "Reason",
+    "type": "string",
+    "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+    "priority": 1,
+}
+_AGE = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+
+
+def printer_columns(kind: str) -> list[dict[str, Any]]:
+    """``kubectl get`` columns; every status field they read is set by kvpool.operator.status."""
+    if kind == "KVCachePool":
+        return [
+            _READY,
+            {"name": "Domain", "type": "string", "jsonPath": ".status.domainFingerprint"},
+            {"name": "Seed", "type": "string", "jsonPath": ".status.resolvedHashSeed"},
+            {"name": "Members", "type": "integer", "jsonPath": ".status.memberCount"},
+            _AGE,
+            _REASON,
+        ]
+    return [
+        {"name": "Pool", "type": "string", "jsonPath": ".spec.poolRef.name"},
+        {"name": "Instances", "type": "integer", "jsonPath": ".status.instancesDesired"},
+        {"name": "TP", "type": "string", "jsonPath": ".status.tensorParallel"},
+        _READY,
+        _AGE,
+        _REASON,
+    ]
+
+
 def crd(
     kind: str, plural: str, short: list[str], spec: type[BaseModel], status: type[BaseModel]
 ) -> dict[str, Any]:
@@ -146,30 +181,7 @@ def crd(
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},
-                    "additionalPrinterColumns": [
-                        {
-                            "name": "Ready",
-                            "type": "string",
-                            "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
-                        },
-                        {
-                            "name": "Instances-Ready",
-                            "type": "integer",
-                            "jsonPath": ".status.instancesReady",
-                        },
-                        {
-                            "name": "Desired",
-                            "type": "integer",
-                            "jsonPath": ".status.instancesDesired",
-                        },
-                        {
-                            "name": "Domain",
-                            "type": "string",
-                            "jsonPath": ".status.domainFingerprint",
-                            "priority": 1,
-                        },
-                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                    ],
+                    "additionalPrinterColumns": printer_columns(kind),
                     "schema": {
                         "openAPIV3Schema": {
                             "description": f"{kind} ({GROUP}/{VERSION}).",

@@ -102,6 +102,12 @@ def conditions(
     ]
 
 
+def _tensor_parallel(member: P2PGroup | PDPair) -> str:
+    if isinstance(member, P2PGroup):
+        return str(member.spec.tensor_parallel_size)
+    return f"{member.spec.prefill.tensor_parallel_size}/{member.spec.decode.tensor_parallel_size}"
+
+
 def member_status(
     pool: KVCachePool,
     member: P2PGroup | PDPair,
@@ -128,6 +134,8 @@ def member_status(
     ready = sum(1 for i in instances if i.ready)
     return MemberStatus(
         observed_generation=member.metadata.generation,
+        pool=member.spec.pool_ref.name,
+        tensor_parallel=_tensor_parallel(member),
         conditions=conditions(
             own,
             ready,
@@ -172,6 +180,7 @@ def pool_status(
         controller_endpoint=names.controller_url(pool),
         gateway_endpoint=names.gateway_url(pool),
         members=[f"{m.kind}/{m.metadata.name}" for m in ordered],
+        member_count=len(ordered),
         instances_ready=ready,
         instances_desired=len(all_insts),
         memory_budget={

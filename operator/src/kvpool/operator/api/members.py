@@ -222,6 +222,11 @@ class MemberStatus(ApiModel):
 
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
+    pool: str | None = Field(default=None, description="The KVCachePool (column POOL).")
+    tensor_parallel: str | None = Field(
+        default=None,
+        description='TP size of each instance (column TP); a PDPair shows "prefill/decode".',
+    )
     domain_fingerprint: str | None = None
     instances_ready: int = 0
     instances_desired: int = 0

@@ -250,6 +250,7 @@ class KVCachePoolStatus(ApiModel):
     controller_endpoint: str | None = None
     gateway_endpoint: str | None = None
     members: list[str] = Field(default_factory=list, description="Kind/name of each member.")
+    member_count: int = Field(default=0, description="Number of members (column MEMBERS).")
     instances_ready: int = 0
     instances_desired: int = 0
     memory_budget: dict[str, MemoryBudget] = Field(
