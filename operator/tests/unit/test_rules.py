@@ -50,7 +50,9 @@ def test_rule1_rejects_domain_flags_in_engine_args_and_foreign_pool() -> None:
         pool(), p2p(engine={"args": ["--block-size=16"]}, poolRef={"name": "other"}), rule=1
     )
     messages = sorted(p.message for p in problems)
-    assert messages[0] == "--block-size is derived by kvpool from the pool and member spec"
+    assert messages[0] == (
+        "--block-size is set by kvpool on every worker (derived from the pool and member spec)"
+    )
     assert messages[1] == "names pool 'other', not 'pool'"
 
 
@@ -119,7 +121,7 @@ def test_rule2_rejects_overlapping_host_network_ranges() -> None:
     problem = _one(_problems(pool(), a, b, rule=2))
     assert problem.path == "PDPair/b: spec.ports.base"
     assert "overlaps P2PGroup/a's 20000-20019" in problem.message
-    assert problem.fix.startswith("move ports.base to 20020")
+    assert problem.fix.startswith("set ports.base: 20020")
     assert _problems(pool(), a, pd("b", hostNetwork=True, ports={"base": 20020}), rule=2) == []
 
 
@@ -141,7 +143,7 @@ def test_rule3_rejects_colliding_instance_ids() -> None:
         problem.message
     )
     assert "lmcache_instance_id / lmcache_rpc_port) would collide" in problem.message
-    assert problem.fix == "rename one of the two resources"
+    assert problem.fix == "rename PDPair/pair (e.g. to pair-r2)"
 
 
 def test_rule3_rejects_a_member_service_that_collides_with_an_instance() -> None:
@@ -301,7 +303,7 @@ def test_rule7_warns_on_small_staging_and_memory_over_allocatable() -> None:
     assert errors(problems) == []
     found = sorted(p.message for p in warnings(problems))
     assert found[0].startswith("8Gi holds less than 8 concurrent x 32768 hit tokens")
-    assert found[1].startswith("one instance needs 48Gi of host memory for LMCache alone")
+    assert found[1].startswith("each p2p pod requests 48Gi of memory (48Gi pinned by LMCache")
 
 
 def test_memory_budget_matches_seed_manual_example() -> None:
