@@ -108,6 +108,12 @@ def controller_objects(pool: KVCachePool) -> list[Obj]:
     ]
 
 
+def _platforms(member: P2PGroup | PDPair) -> list[str]:
+    if isinstance(member, P2PGroup):
+        return [member.spec.engine.platform]
+    return [member.spec.prefill.engine.platform, member.spec.decode.engine.platform]
+
+
 def _gateway_config(
     pool: KVCachePool,
     members: list[P2PGroup | PDPair],
@@ -164,6 +170,9 @@ def _gateway_config(
         "model": spec.model.name,
         "chunkSize": spec.chunk_size,
         "hashAlgorithm": spec.hash_algorithm,
+        # vLLM engines seed LMCache's NONE_HASH from PYTHONHASHSEED; the reference engine
+        # (platform cpu) does not import vLLM: the gateway must hash like the engines do.
+        "vllm": any(p != "cpu" for m in members for p in _platforms(m)),
         "controllerUrl": names.controller_url(pool),
         "controllerPubUrl": f"tcp://{controller_host}:{spec.controller.ports.pub}",
         "controllerSnapshotUrl": f"tcp://{controller_host}:{spec.controller.ports.snapshot}",
