@@ -1,0 +1,156 @@
+"""Instant OpenAI-shaped upstreams: answer every completion at once, for the overhead benchmark.
+
+Why this module exists: the gateway's own cost (parse, tokenize, hash, score, proxy) is only
+measurable against upstreams that cost nothing. One process listens on several ports (one per
+"instance") with a raw asyncio HTTP/1.1 server (keep-alive, no framework), so the upstream is
+never the bottleneck of a router in front of it. It answers:
+
+- ``POST /v1/chat/completions`` and ``POST /v1/completions``: a fixed one-token answer with
+  ``usage``; with ``"stream": true`` an SSE stream (chunked) of one content event, a usage
+  event and ``[DONE]``;
+- ``GET /v1/models``: the model list; any other ``GET`` (health, readiness, metrics): 200.
+
+Run: ``python upstream.py --ports P1,P2,... [--model NAME]``; prints ``READY`` when listening.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+
+_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+_CHUNKED = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
+def _usage(prompt_tokens: int) -> dict[str, object]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 1,
+        "total_tokens": prompt_tokens + 1,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class Upstream:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.requests = 0
+
+    def answer(self, method: bytes, path: bytes, body: bytes) -> bytes:
+        self.requests += 1
+        if method == b"GET":
+            if path.startswith(b"/v1/models"):
+                data = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+                return self._json(data)
+            return self._json({"status": "ok"})
+        chat = path.startswith(b"/v1/chat/completions")
+        if not chat and not path.startswith(b"/v1/completions"):
+            return self._json({"status": "ok"})
+        try:
+            req = json.loads(body or b"{}")
+        except ValueError:
+            req = {}
+        stream = bool(req.get("stream"))
+        prompt = req.get("messages") if chat else req.get("prompt")
+        n = len(json.dumps(prompt)) // 4 if prompt else 1  # a size, not a tokenizer
+        base = {
+            "id": "cmpl-instant",
+            "created": int(time.time()),
+            "model": req.get("model") or self.model,
+        }
+        if not stream:
+            choice: dict[str, object] = {"index": 0, "finish_reason": "length"}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "ok"}
+            else:
+                choice["text"] = "ok"
+            obj = "chat.completion" if chat else "text_completion"
+            return self._json({**base, "object": obj, "choices": [choice], "usage": _usage(n)})
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        delta: dict[str, object] = (
+            {"delta": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
+        )
+        events = [
+            {**base, "object": obj, "choices": [{"index": 0, **delta, "finish_reason": None}]},
+            {**base, "object": obj, "choices": [], "usage": _usage(n)},
+        ]
+        out = [_CHUNKED]
+        out += [_chunk(b"data: " + json.dumps(e).encode() + b"\n\n") for e in events]
+        out += [_chunk(b"data: [DONE]\n\n"), b"0\r\n\r\n"]
+        return b"".join(out)
+
+    @staticmethod
+    def _json(data: object) -> bytes:
+        payload = json.dumps(data).encode()
+        return _HEAD % (b"application/json", len(payload)) + payload
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.split(b"\r\n")
+                parts = lines[0].split(b" ")
+                if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+                    break  # e.g. an HTTP/2 prior-knowledge preface: HTTP/1.1 only here
+                method, path = parts[0], parts[1]
+                length = 0
+                chunked = False
+                for line in lines[1:]:
+                    name, _, value = line.partition(b":")
+                    name = name.strip().lower()
+                    if name == b"content-length":
+                        length = int(value)
+                    elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                        chunked = True
+                body = await reader.readexactly(length) if length else b""
+                if chunked:
+                    body = await _read_chunked(reader)
+                writer.write(self.answer(method, path, body))
+                await writer.drain()
+        writer.close()
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    parts = []
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip().split(b";")[0], 16)
+        if size == 0:
+            await reader.readuntil(b"\r\n")
+            return b"".join(parts)
+        parts.append(await reader.readexactly(size))
+        await reader.readexactly(2)
+
+
+async def serve(ports: list[int], model: str) -> None:
+    up = Upstream(model)
+    servers = [await asyncio.start_server(up.handle, "127.0.0.1", p, backlog=1024) for p in ports]
+    print("READY", flush=True)
+    await asyncio.gather(*(s.serve_forever() for s in servers))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--ports", required=True, help="comma-separated ports on 127.0.0.1")
+    ap.add_argument("--model", default="kvpool/reference-tiny")
+    args = ap.parse_args()
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve([int(p) for p in args.ports.split(",")], args.model))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

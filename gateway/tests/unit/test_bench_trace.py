@@ -1,0 +1,94 @@
+"""The gateway benchmark's agent trace (gateway/bench/agent_trace.py): determinism and shape.
+
+Pure code only (no processes, no clock, no timed assertion): the routing benchmark is only
+comparable across routers and runs if the trace is the same every time and has the sharing
+structure it claims (a tenant's sessions share its system prompt; a turn extends the previous
+turn; RAG turns carry the tenant's documents in a per-request order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "agent_trace.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kvpool_gateway_bench_agent_trace", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+tr = _load()
+
+
+def test_same_seed_same_trace_other_seed_other_trace() -> None:
+    cfg = tr.TraceConfig(seed=7)
+    assert tr.generate(cfg) == tr.generate(tr.TraceConfig(seed=7))
+    other = tr.generate(tr.TraceConfig(seed=8))
+    assert [r.messages for r in other.requests] != [r.messages for r in tr.generate(cfg).requests]
+
+
+def test_counts_and_interleaving() -> None:
+    cfg = tr.TraceConfig(tenants=4, sessions_per_tenant=3, turns=2)
+    trace = tr.generate(cfg)
+    assert len(trace.sessions) == 12
+    assert len(trace.requests) == 24
+    assert len({s.id for s in trace.sessions}) == 12
+    # consecutive sessions belong to different tenants (concurrent sessions spread tenants)
+    tenants = [s.tenant for s in trace.sessions]
+    assert all(a != b for a, b in itertools.pairwise(tenants))
+    assert [r.turn for r in trace.sessions[0].requests] == [0, 1]
+
+
+def test_sharing_structure() -> None:
+    cfg = tr.TraceConfig(tenants=2, sessions_per_tenant=4, turns=3, rag_every=2)
+    trace = tr.generate(cfg)
+    by_tenant: dict[str, set[str]] = {}
+    for s in trace.sessions:
+        systems = {r.messages[0]["content"] for r in s.requests}
+        assert len(systems) == 1 and s.requests[0].messages[0]["role"] == "system"
+        by_tenant.setdefault(s.tenant, set()).update(systems)
+        for prev, cur in itertools.pairwise(s.requests):
+            # each turn is the previous conversation, the scripted reply, then a new user turn
+            assert cur.messages[: len(prev.messages)] == prev.messages
+            assert [m["role"] for m in cur.messages[len(prev.messages) :]] == ["assistant", "user"]
+    assert all(len(v) == 1 for v in by_tenant.values())
+    assert len({next(iter(v)) for v in by_tenant.values()}) == 2  # tenants differ
+    rag = [s for s in trace.sessions if s.rag]
+    assert len(rag) == 4  # every second session of each tenant
+    firsts = [s.requests[0].messages[1]["content"] for s in rag]
+    assert all("[document " in text for text in firsts)
+    assert not any("[document " in s.requests[0].messages[1]["content"] for s in trace.sessions
+                   if not s.rag)  # fmt: skip
+
+
+def test_request_body_is_openai_chat() -> None:
+    req = tr.generate(tr.TraceConfig()).requests[0]
+    body = req.body("m")
+    assert body["model"] == "m" and body["stream"] is True and body["temperature"] == 0
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["user"] == req.session
+    assert "stream_options" not in req.body("m", stream=False)
+
+
+def test_ideal_hit_tokens() -> None:
+    a = list(range(1000))
+    b = a[:600] + [-1] * 400
+    assert tr.ideal_hit_tokens([a, b, a, a[:512]], 256) == [0, 512, 768, 511]
+
+
+def test_bad_config_names_the_field() -> None:
+    with pytest.raises(ValueError, match=r"TraceConfig\.turns"):
+        tr.TraceConfig(turns=0)
+    with pytest.raises(ValueError, match="docs_per_turn"):
+        tr.TraceConfig(docs_per_tenant=2, docs_per_turn=3)
