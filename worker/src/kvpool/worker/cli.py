@@ -362,7 +362,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.flush()
             hard_exit(EXIT_REFUSED)
         return EXIT_REFUSED
-    runtime = WorkerRuntime(engine, tokenizer, session_capacity=settings.session_capacity)
+    offload = getattr(engine, "offload", None)
+    pd_info = None
+    if offload is not None:
+        from kvpool.worker.engine.offload.pd import pd_info as describe_pd  # noqa: PLC0415
+
+        pd_info = describe_pd(offload.config)
+    runtime = WorkerRuntime(
+        engine, tokenizer, session_capacity=settings.session_capacity, pd_info=pd_info
+    )
     try:
         code = asyncio.run(serve(runtime, settings))
     except SystemExit as exc:  # uvicorn exits when it cannot bind: still end for real below

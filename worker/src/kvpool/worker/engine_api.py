@@ -29,10 +29,22 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class KVTransferParams:
+    """PD: where a prefill hands its prompt's KV (lmcache's ``disagg_spec``; worker/README.md,
+    section "PD", has the HTTP contract)."""
+
+    req_id: str
+    receiver_host: str
+    receiver_init_port: tuple[int, ...]
+    receiver_alloc_port: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
     prompt_token_ids: Sequence[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    kv_transfer: KVTransferParams | None = None  # PD sender: hand the prompt's KV over
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ class Outcome:
     cached_tokens: int = 0
     finish_reason: str | None = None
     ttft_s: float | None = None
+    first_token: int | None = None  # id of the first generated token (PD: first_tok)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ def _silent(event: TokenEvent) -> bool:
 def _account(outcome: Outcome, event: TokenEvent) -> None:
     if event.token_id >= 0:
         outcome.completion_tokens += 1
+        if outcome.first_token is None:
+            outcome.first_token = event.token_id
     if event.num_prompt_tokens:
         outcome.prompt_tokens = event.num_prompt_tokens
     outcome.cached_tokens = max(outcome.cached_tokens, event.num_cached_tokens)

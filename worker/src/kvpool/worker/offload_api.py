@@ -10,10 +10,12 @@ thread, with its own paged caches: per layer a tensor in the vLLM flash NHD layo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
+
+from kvpool.worker.engine_api import KVTransferParams
 
 
 class KVOffload(Protocol):
@@ -65,3 +67,41 @@ class KVOffload(Protocol):
     def close(self, deadline_s: float) -> None:
         """Flush pending stores, deregister, close; return within ``deadline_s`` regardless."""
         ...
+
+
+@runtime_checkable
+class AsyncKVOffload(KVOffload, Protocol):
+    """An offload whose prefix lookups answer asynchronously (LMCache with async loading,
+    needed for P2P), and that can hand a prompt to a PD receiver. The scheduler starts a
+    lookup when a request waits, admits the request once ``lookup_result`` is not None, and
+    loads with ``retrieve(..., lookup_id=...)``; a request that goes away cancels it."""
+
+    async_loading: bool  # False: lookups answer synchronously (the KVOffload path)
+    skip_last_n_tokens: int
+
+    def start_lookup(self, token_ids: Sequence[int], lookup_id: str | None = None) -> str: ...
+
+    def lookup_result(self, lookup_id: str) -> int | None: ...
+
+    def cancel_lookup(self, lookup_id: str) -> None: ...
+
+    def set_lookup_listener(self, on_answer: Callable[[], None] | None) -> None: ...
+
+    def retrieve(
+        self,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        kv_caches: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        *,
+        lookup_id: str | None = None,
+    ) -> int: ...
+
+    def store(
+        self,
+        token_ids: Sequence[int],
+        kv_caches: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        *,
+        kv_transfer: KVTransferParams | None = None,
+    ) -> None: ...

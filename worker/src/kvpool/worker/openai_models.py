@@ -117,6 +117,8 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(default=16, ge=1)
     echo: bool = False
+    # PD prefill (lmcache's disaggregated-prefill proxy): ret_first_tok and disagg_spec.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _no_echo(self) -> CompletionRequest:

@@ -24,7 +24,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpool.worker.engine_api import Engine, EngineError, GenerationRequest, SamplingParams
+from kvpool.worker.engine_api import (
+    Engine,
+    EngineError,
+    GenerationRequest,
+    KVTransferParams,
+    SamplingParams,
+)
 from kvpool.worker.generation import Delta, Outcome, generate_text
 from kvpool.worker.memory_api import SESSION_HEADER, SessionStore, build_memory_router, session_of
 from kvpool.worker.metrics import RuntimeMetrics
@@ -38,6 +44,7 @@ from kvpool.worker.openai_models import (
     now,
     usage,
 )
+from kvpool.worker.pd_api import answer_params, build_pd_router, parse_kv_transfer
 from kvpool.worker.tokenizer import ChatMessage, TextTokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,8 +55,16 @@ GUARDED_PREFIXES = ("/v1/", "/tokenize", "/memory/")
 class WorkerRuntime:
     """State shared by the routes, the drain logic and the CLI: engine, readiness, in-flight."""
 
-    def __init__(self, engine: Engine, tokenizer: TextTokenizer, *, session_capacity: int = 4096):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: TextTokenizer,
+        *,
+        session_capacity: int = 4096,
+        pd_info: dict[str, Any] | None = None,
+    ):
         self.engine = engine
+        self.pd_info = pd_info or {"enabled": False}  # GET /pd/info; PD sender or not
         self.tokenizer = tokenizer
         self.sessions = SessionStore(session_capacity)
         self.metrics = RuntimeMetrics(engine.metrics)
@@ -148,6 +163,7 @@ class _Prepared:
     sampling: SamplingParams
     stop: list[str]
     model: str
+    kv_transfer: KVTransferParams | None = None
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -306,7 +322,7 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
         deltas = generate_text(
             engine,
             tok,
-            GenerationRequest(prep.request_id, prep.prompt_ids, prep.sampling),
+            GenerationRequest(prep.request_id, prep.prompt_ids, prep.sampling, prep.kv_transfer),
             prep.stop,
             outcome,
             on_first_token=runtime.metrics.ttft.labels(prep.endpoint).observe,
@@ -340,6 +356,9 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
             text = "".join(d.text for d in parts)
             body = chunk(prep, created, text, outcome.finish_reason, final=True)
             body["usage"] = use()
+            if prep.kv_transfer is not None:  # PD prefill: the proxy sends first_tok on
+                n = outcome.prompt_tokens
+                body["kv_transfer_params"] = answer_params(prep.kv_transfer, outcome.first_token, n)
             return JSONResponse(body)
 
         async def events() -> AsyncIterator[bytes]:
@@ -370,8 +389,10 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         ids = completion_prompt_ids(tok, body.prompt)
+        kv_transfer = parse_kv_transfer(body.kv_transfer_params, runtime.pd_info)
         session = session_of(request.headers.get(SESSION_HEADER), body.user)
         prep = prepare("completions", body, ids, body.max_tokens, (), session, "cmpl")
+        prep.kv_transfer = kv_transfer
         return await run(prep, body.stream, body.include_usage(), _completion_chunk)
 
     @app.post("/v1/chat/completions")
@@ -390,6 +411,7 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
         return await run(prep, body.stream, body.include_usage(), _chat_chunk)
 
     app.include_router(build_memory_router(engine, tok, runtime.sessions))
+    app.include_router(build_pd_router(runtime.pd_info))
     return app
 
 

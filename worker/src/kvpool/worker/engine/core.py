@@ -117,6 +117,13 @@ class ReferenceEngine:
             self._compute.stop()  # nothing to serve: let the compute thread go
             raise
         self._accepting = True
+        self._scheduler.async_prefix = self._runner.async_offload is not None
+        loop = asyncio.get_running_loop()
+
+        def wake() -> None:  # on LMCache's thread when an asynchronous lookup is answered
+            loop.call_soon_threadsafe(self._wakeup.set)
+
+        self._runner.set_lookup_listener(wake)
         self._loop_task = asyncio.create_task(self._step_loop(), name="kvpool-engine-steps")
         logger.info(
             "reference engine %s ready: %d KV blocks of %d tokens, max_model_len %d",
@@ -293,6 +300,9 @@ class ReferenceEngine:
             self._wakeup.clear()
             await self._wakeup.wait()
             return False
+        waiting = [s for s in self._scheduler.waiting if self._scheduler.lookup_pending(s)]
+        if waiting:  # asynchronous lookups (P2P): start them, collect answers
+            await self._compute.run(functools.partial(runner.poll_lookups, waiting))
         plan = self._scheduler.schedule()
         for seq in plan.out_of_blocks:
             self._finish(seq, "length")
@@ -367,6 +377,10 @@ class ReferenceEngine:
     def _finish(self, seq: Seq, reason: FinishReason, *, emit: bool = True) -> None:
         if seq.finished:
             return
+        runner = self._require_runner()
+        runner.cancel_lookup(seq)
+        if reason != "abort":
+            runner.defer_finished_store(seq)  # the answer's KV too, for the next turn
         self._scheduler.finish(seq, reason)
         self._seqs.pop(seq.request_id, None)
         if reason == "abort":
@@ -402,6 +416,7 @@ class ReferenceEngine:
     def _fail(self, seq: Seq, exc: BaseException) -> None:
         if seq.finished:
             return
+        self._require_runner().cancel_lookup(seq)
         try:
             self._scheduler.finish(seq, "abort")
         except Exception:
@@ -458,32 +473,23 @@ class ReferenceEngine:
         chunk_hashes: Sequence[int] | None = None,
         locations: Sequence[str] | None = None,
     ) -> int:
-        offload = self.offload
-        if offload is None:
-            return 0
-        return await self._compute.run(
-            lambda: offload.evict(
-                token_ids=token_ids, chunk_hashes=chunk_hashes, locations=locations
-            )
+        return await self._on_offload(
+            lambda o: o.evict(token_ids=token_ids, chunk_hashes=chunk_hashes, locations=locations)
         )
 
-    async def prefetch(self, token_ids: Sequence[int]) -> int:
+    async def _on_offload(self, fn: Callable[[KVOffload], int]) -> int:
+        """Run ``fn(offload)`` on the compute thread; 0 without an offload."""
         offload = self.offload
-        if offload is None:
-            return 0
-        return await self._compute.run(lambda: offload.prefetch(token_ids))
+        return 0 if offload is None else await self._compute.run(lambda: fn(offload))
+
+    async def prefetch(self, token_ids: Sequence[int]) -> int:
+        return await self._on_offload(lambda o: o.prefetch(token_ids))
 
     async def pin(self, token_ids: Sequence[int]) -> int:
-        offload = self.offload
-        if offload is None:
-            return 0
-        return await self._compute.run(lambda: offload.pin(token_ids))
+        return await self._on_offload(lambda o: o.pin(token_ids))
 
     async def unpin(self, token_ids: Sequence[int]) -> int:
-        offload = self.offload
-        if offload is None:
-            return 0
-        return await self._compute.run(lambda: offload.unpin(token_ids))
+        return await self._on_offload(lambda o: o.unpin(token_ids))
 
     def memory_stats(self) -> dict[str, object]:
         if self.offload is None:

@@ -14,7 +14,10 @@ time-to-first-token path.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -23,7 +26,8 @@ import torch
 from kvpool.worker.engine.model import PagedModel, SeqChunk, slot_mapping
 from kvpool.worker.engine.sampling import sample
 from kvpool.worker.engine.scheduler import ScheduledSeq, Sequence
-from kvpool.worker.offload_api import KVOffload
+from kvpool.worker.engine_api import KVTransferParams
+from kvpool.worker.offload_api import AsyncKVOffload, KVOffload
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +53,7 @@ class _PendingStore:
     request_id: str
     token_ids: list[int]
     slots: torch.Tensor
+    kv_transfer: KVTransferParams | None = None
 
 
 class ModelRunner:
@@ -66,6 +71,12 @@ class ModelRunner:
         self.block_size = block_size
         self.offload = offload
         self._pending: list[_PendingStore] = []
+        self._pending_lock = threading.Lock()  # finished requests defer stores from the loop
+        self._cancelled_lookups: deque[str] = deque()  # appended by the loop thread
+        self.async_offload: AsyncKVOffload | None = (
+            offload if isinstance(offload, AsyncKVOffload) and offload.async_loading else None
+        )
+        self._skip_last = offload.skip_last_n_tokens if isinstance(offload, AsyncKVOffload) else 0
         self.busy_s = 0.0
         self.offload_errors = 0
         self.computed_tokens = 0
@@ -110,10 +121,58 @@ class ModelRunner:
                     row += 1
                     outputs.append(StepOutput(seq, token, time.monotonic(), logits[row - 1]))
                     if seq.num_output == 0 and self.offload is not None:
-                        self._defer_store(seq)
+                        self._defer_store(seq, seq.num_prompt, seq.request.kv_transfer)
+            if any(p.kv_transfer is not None for p in self._pending):
+                self.flush_stores()  # PD: start the hand-over before the first token returns
             return outputs
         finally:
             self.busy_s += time.perf_counter() - started
+
+    def _lookup_tokens(self, seq: Sequence) -> list[int]:
+        """What the offload looks up: a PD decoder skips the prefill's token at the end."""
+        n = len(seq.tokens) - self._skip_last
+        return seq.tokens[: max(n, 0)]
+
+    def poll_lookups(self, waiting: Seq[Sequence]) -> None:
+        """Asynchronous offloads: start the lookup of each waiting sequence that has none and
+        collect the answers (the scheduler admits a sequence once answered)."""
+        off = self.async_offload
+        if off is None:
+            return
+        self._cancel_lookups()
+        for seq in waiting:
+            if not seq.needs_lookup or seq.lookup_hit is not None:
+                continue
+            try:
+                if seq.lookup_id is None:
+                    seq.lookup_round += 1
+                    seq.lookup_id = off.start_lookup(
+                        self._lookup_tokens(seq), f"{seq.request_id}#{seq.lookup_round}"
+                    )
+                seq.lookup_hit = off.lookup_result(seq.lookup_id)
+            except Exception:
+                self.offload_errors += 1
+                logger.warning(
+                    "async KV lookup failed for request %s; recomputing its prompt",
+                    seq.request_id,
+                    exc_info=True,
+                )
+                seq.lookup_hit = 0
+
+    def cancel_lookup(self, seq: Sequence) -> None:
+        """The sequence went away before loading: release its prefetch (thread-safe)."""
+        if seq.lookup_id is not None and self.async_offload is not None:
+            self._cancelled_lookups.append(seq.lookup_id)
+            seq.lookup_id = None
+
+    def _cancel_lookups(self) -> None:
+        off = self.async_offload
+        while self._cancelled_lookups and off is not None:
+            off.cancel_lookup(self._cancelled_lookups.popleft())
+
+    def set_lookup_listener(self, on_answer: Callable[[], None] | None) -> None:
+        if self.async_offload is not None:
+            self.async_offload.set_lookup_listener(on_answer)
 
     def _load_prefix(self, seq: Sequence) -> None:
         """Ask the offload for the longest cached prefix and load it into seq's blocks."""
@@ -121,12 +180,23 @@ class ModelRunner:
         if self.offload is None:
             return
         tokens = seq.tokens
+        lookup_id, seq.lookup_id = seq.lookup_id, None
         try:
-            hit = min(self.offload.lookup(tokens), len(tokens))
+            if self.async_offload is not None and lookup_id is not None:
+                hit = min(seq.lookup_hit or 0, len(tokens))
+            else:
+                hit = min(self.offload.lookup(self._lookup_tokens(seq)), len(tokens))
             loaded = 0
             if hit > 0:
                 slots = slot_mapping(seq.block_table, self.block_size, 0, hit)
-                loaded = self.offload.retrieve(tokens, hit, self.kv_caches, slots)
+                if self.async_offload is not None and lookup_id is not None:
+                    loaded = self.async_offload.retrieve(
+                        tokens, hit, self.kv_caches, slots, lookup_id=lookup_id
+                    )
+                else:
+                    loaded = self.offload.retrieve(tokens, hit, self.kv_caches, slots)
+            elif self.async_offload is not None and lookup_id is not None:
+                self.async_offload.cancel_lookup(lookup_id)
         except Exception:
             self.offload_errors += 1
             logger.warning(
@@ -141,24 +211,40 @@ class ModelRunner:
         if seq.num_output == 0:
             seq.num_cached = usable
 
-    def _defer_store(self, seq: Sequence) -> None:
-        n = seq.num_prompt
-        self._pending.append(
-            _PendingStore(
-                request_id=seq.request_id,
-                token_ids=list(seq.tokens[:n]),
-                slots=slot_mapping(seq.block_table, self.block_size, 0, n),
-            )
+    def _defer_store(
+        self, seq: Sequence, n: int, kv_transfer: KVTransferParams | None = None
+    ) -> None:
+        item = _PendingStore(
+            request_id=seq.request_id,
+            token_ids=list(seq.tokens[:n]),
+            slots=slot_mapping(seq.block_table, self.block_size, 0, n),
+            kv_transfer=kv_transfer,
         )
+        with self._pending_lock:
+            self._pending.append(item)
+
+    def defer_finished_store(self, seq: Sequence) -> None:
+        """A finished request: store its prompt and generated tokens (all whose KV is in the
+        cache), so the next turn of a conversation also hits the previous answer. Called on
+        the loop before the blocks are freed; the store runs before anything rewrites them."""
+        if self.offload is not None and seq.num_computed > seq.num_prompt and seq.block_table:
+            self._defer_store(seq, seq.num_computed)
 
     def flush_stores(self) -> None:
         """Hand completed prompts' KV to the offload (must run before the cache is written)."""
-        pending, self._pending = self._pending, []
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        self._cancel_lookups()
         if self.offload is None:
             return
         for item in pending:
             try:
-                self.offload.store(item.token_ids, self.kv_caches, item.slots)
+                if item.kv_transfer is not None and isinstance(self.offload, AsyncKVOffload):
+                    self.offload.store(
+                        item.token_ids, self.kv_caches, item.slots, kv_transfer=item.kv_transfer
+                    )
+                else:
+                    self.offload.store(item.token_ids, self.kv_caches, item.slots)
             except Exception:
                 self.offload_errors += 1
                 logger.warning(

@@ -42,6 +42,11 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose KV is in the cache
     status: SeqStatus = SeqStatus.WAITING
     needs_lookup: bool = True  # ask the offload for the prefix at (re)admission
+    # Asynchronous offloads (LMCache with async loading, P2P): the lookup started for this
+    # admission and its answer (None while LMCache is still looking up and prefetching).
+    lookup_id: str | None = None
+    lookup_hit: int | None = None
+    lookup_round: int = 0
     num_cached: int = 0  # prompt tokens whose KV came from the offload
     num_output: int = 0
     first_token_at: float | None = None
@@ -74,7 +79,16 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        *,
+        async_prefix: bool = False,
+    ) -> None:
+        """``async_prefix``: a waiting sequence is admitted only once its asynchronous prefix
+        lookup answered (vLLM skips a request whose connector lookup returns None)."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_batched_tokens < 1:
@@ -85,6 +99,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.async_prefix = async_prefix
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -119,17 +134,20 @@ class Scheduler:
             budget -= want
         if plan.preempted:
             return plan  # no admissions in a step that had to preempt
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if self.lookup_pending(seq):
+                continue  # its prefix (maybe a peer's) is still being looked up and pulled
             needed = self.blocks.blocks_for(len(seq.tokens))
             if needed > self.blocks.num_blocks:
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 plan.out_of_blocks.append(seq)
                 continue
             table = self.blocks.allocate(needed)
             if table is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.block_table = table
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -137,6 +155,10 @@ class Scheduler:
             plan.items.append(ScheduledSeq(seq, want, admitted=True))
             budget -= want
         return plan
+
+    def lookup_pending(self, seq: Sequence) -> bool:
+        """An asynchronous prefix lookup was not answered yet (or not even started)."""
+        return self.async_prefix and seq.needs_lookup and seq.lookup_hit is None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Remove ``seq`` from the queues and free its blocks."""
@@ -154,6 +176,8 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.num_computed = 0
         seq.needs_lookup = True
+        seq.lookup_id = None  # consumed at admission; a new lookup starts for the readmission
+        seq.lookup_hit = None
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

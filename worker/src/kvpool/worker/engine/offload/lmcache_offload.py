@@ -25,31 +25,29 @@ from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
-from kvpool.worker.engine.offload import tiers
+from kvpool.worker.engine.offload import pd, tiers
+from kvpool.worker.engine.offload.async_lookup import AsyncLookups
 from kvpool.worker.engine.offload.config import OffloadConfigError, kv_dtype, load_config
 from kvpool.worker.engine.offload.connector import (
-    REPORT_KW,
     TOKENS_KW,
     CPUPagedConnector,
     RetrieveReport,
 )
+from kvpool.worker.engine.offload.memory_ops import MemoryOps
+from kvpool.worker.engine.offload.prefetch import PrefetchOps
 from kvpool.worker.engine.offload.storage_ops import (
     close_redis,
     deregister_first,
     disk_length_ok,
     flush_pending,
+    pin_controller_requests,
     remote_remove,
 )
+from kvpool.worker.engine_api import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
 _MAX_UNCONFIRMED = 4096  # remote writes flush() waits for (the most recent ones)
-
-
-def _leading_true(mask: torch.Tensor) -> int:
-    if mask.numel() == 0 or bool(mask.all()):
-        return int(mask.numel())
-    return int((~mask).to(torch.int8).argmax())
 
 
 def _no_broadcast(tensor: torch.Tensor, src: int) -> None:
@@ -60,8 +58,14 @@ def _no_broadcast_object(obj: Any, src: int) -> Any:
     return obj
 
 
-class LMCacheOffload:
-    """KV offload of one engine (one TP rank) through one LMCache engine instance."""
+class LMCacheOffload(MemoryOps, PrefetchOps):
+    """KV offload of one engine (one TP rank) through one LMCache engine instance.
+
+    With ``enable_async_loading`` (required for P2P: LMCache's peer backend answers only
+    asynchronously) the engine's scheduler starts a lookup per request (``start_lookup``),
+    schedules it once ``lookup_result`` is not None and retrieves with ``lookup_id``; the
+    blocking ``retrieve`` without a lookup id does the same in one call.
+    """
 
     def __init__(
         self,
@@ -82,10 +86,15 @@ class LMCacheOffload:
         cfg = config if isinstance(config, LMCacheEngineConfig) else load_config(config)
         if min(num_layers, num_kv_heads, head_dim, block_size) <= 0:
             raise OffloadConfigError("num_layers, num_kv_heads, head_dim, block_size must be > 0")
-        if cfg.use_layerwise or cfg.enable_blending or cfg.enable_async_loading:
+        if cfg.use_layerwise or cfg.enable_blending:
             raise OffloadConfigError(
-                "use_layerwise, enable_blending and enable_async_loading are not supported by "
-                "the CPU reference engine: set them to false"
+                "use_layerwise and enable_blending are not supported by the CPU reference "
+                "engine: set them to false"
+            )
+        if cfg.enable_p2p and not cfg.enable_async_loading:
+            raise OffloadConfigError(
+                "enable_p2p needs enable_async_loading: true (LMCache's P2P backend answers "
+                "lookups only asynchronously; a synchronous lookup never sees a peer)"
             )
         if cfg.lmcache_instance_id is None:
             cfg.lmcache_instance_id = instance_id
@@ -97,6 +106,14 @@ class LMCacheOffload:
         self.dtype = kv_dtype(dtype)
         self.model_name = model_name
         self.tiers = tiers.configured_tiers(cfg)
+        self.pd_role = pd.pd_role(cfg)
+        # vLLM's skip_last_n_tokens for a PD decoder: its prompt ends with the prefill's token.
+        self.skip_last_n_tokens = 1 if self.pd_role == "receiver" else 0
+        self.async_lookups: AsyncLookups | None = (
+            AsyncLookups(cfg.lookup_timeout_ms / 1000.0, release=self._release_prefetch)
+            if cfg.enable_async_loading
+            else None
+        )
         self.connector = CPUPagedConnector(
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=self.dtype
         )
@@ -137,12 +154,18 @@ class LMCacheOffload:
                 _no_broadcast,
                 _no_broadcast_object,
             )
-            self.engine.post_init()
+            self.engine.post_init(async_lookup_server=self.async_lookups)
+            pin_controller_requests(self.engine)
         except Exception as e:
             LMCacheEngineBuilder.destroy(self.instance_id)
             raise OffloadConfigError(f"LMCache engine {self.instance_id!r} failed: {e}") from e
         assert self.engine.storage_manager is not None
         self._storage = self.engine.storage_manager
+        self._prober = (
+            tiers.HealthProber(self._remote_health, self._on_remote_health)
+            if self._remote_health is not None
+            else None
+        )
         logger.info(
             "LMCache offload %s ready: tiers %s, chunk %d tokens, %d bytes/token",
             self.instance_id,
@@ -170,15 +193,11 @@ class LMCacheOffload:
     def _check_caches(self, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor) -> None:
         self.connector.check_caches(kv_caches, slot_mapping, self.block_size)
 
-    def _refresh_health(self) -> None:
-        h = self._remote_health
-        if h is None:
-            return
-        changed = h.refresh()
-        if changed is not None:
-            self._storage.set_backend_bypass(tiers.REMOTE_BACKEND, not changed)
-            if not changed:
-                self._count(f"tier_down_events.{h.tier}")
+    def _on_remote_health(self, up: bool) -> None:
+        """Called from the prober's thread when the remote tier goes down or comes back."""
+        self._storage.set_backend_bypass(tiers.REMOTE_BACKEND, not up)
+        if not up and self._remote_health is not None:
+            self._count(f"tier_down_events.{self._remote_health.tier}")
 
     def _drop_chunk(self, key: CacheEngineKey) -> None:
         """Remove a chunk that failed verification from every tier (local and remote)."""
@@ -189,7 +208,6 @@ class LMCacheOffload:
     # --- KVOffload -------------------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int]) -> int:
         with self._lock:
-            self._refresh_health()
             if not token_ids:
                 return 0
             return int(self.engine.lookup(list(token_ids)))
@@ -199,19 +217,32 @@ class LMCacheOffload:
         token_ids: Sequence[int],
         kv_caches: Sequence[torch.Tensor],
         slot_mapping: torch.Tensor,
+        *,
+        kv_transfer: KVTransferParams | None = None,
     ) -> None:
+        """Store into the tiers; a PD sender hands the KV to ``kv_transfer``'s receiver
+        instead (and stores nothing without it); a PD receiver never stores (vLLM's
+        kv_consumer does not save)."""
         tokens = list(token_ids)
         n = len(tokens)
-        if n == 0:
+        if n == 0 or self.pd_role == "receiver":
+            return
+        if self.pd_role == "sender" and kv_transfer is None:
             return
         self._check_caches(kv_caches, slot_mapping)
         if slot_mapping.numel() < n:
             raise ValueError(f"slot_mapping has {slot_mapping.numel()} slots for {n} tokens")
         with self._lock:
-            self._refresh_health()
             storable = n if self.config.save_unfull_chunk else n - n % self.chunk_size
-            done = int(self.engine.lookup(tokens))
-            done -= done % self.chunk_size
+            extra: dict[str, Any] = {TOKENS_KW: tokens}
+            if kv_transfer is not None:
+                done = 0  # the receiver has nothing yet: send the whole prompt
+                num_chunks = -(-storable // self.chunk_size)
+                extra["transfer_spec"] = pd.transfer_spec(kv_transfer, num_chunks)
+                extra["req_id"] = kv_transfer.req_id
+            else:
+                done = int(self.engine.lookup(tokens))
+                done -= done % self.chunk_size
             if storable <= done:
                 return
             mask = torch.ones(n, dtype=torch.bool)
@@ -221,8 +252,12 @@ class LMCacheOffload:
                 mask=mask,
                 kvcaches=list(kv_caches),
                 slot_mapping=slot_mapping[:n].to(torch.long),
-                **{TOKENS_KW: tokens},
+                **extra,
             )
+            if kv_transfer is not None:
+                self._count("pd_sent_bytes", (storable - done) * self._payload_bytes_per_token)
+                self._count("pd_sent_requests")
+                return
             nbytes = (storable - done) * self._payload_bytes_per_token
             if self._remote_health is not None and self._remote_up():
                 self._unconfirmed_remote.extend(
@@ -242,10 +277,17 @@ class LMCacheOffload:
         num_tokens: int,
         kv_caches: Sequence[torch.Tensor],
         slot_mapping: torch.Tensor,
+        *,
+        lookup_id: str | None = None,
     ) -> int:
+        """Load the hit into the paged caches. With async loading, ``lookup_id`` names a
+        lookup started with ``start_lookup`` and answered; without it a lookup is started
+        and waited for here."""
         tokens = list(token_ids)
         n = min(num_tokens, len(tokens))
         if n <= 0:
+            if lookup_id is not None:
+                self.cancel_lookup(lookup_id)
             return 0
         self._check_caches(kv_caches, slot_mapping)
         if slot_mapping.numel() < n:
@@ -254,9 +296,15 @@ class LMCacheOffload:
         span = min(len(tokens), -(-n // self.chunk_size) * self.chunk_size)
         slots = torch.full((span,), -1, dtype=torch.long)
         slots[:n] = slot_mapping[:n].to(torch.long)
+        if self.async_lookups is not None:
+            if lookup_id is None:
+                lookup_id = self.start_lookup(tokens[:span])
+                hit = self.async_lookups.wait(lookup_id)
+            else:
+                hit = self.lookup_result(lookup_id) or 0
+            return self._retrieve_prefetched(tokens, min(hit, span), n, kv_caches, slots, lookup_id)
         req_id = f"kvpool-{uuid.uuid4().hex}"
         with self._lock:
-            self._refresh_health()
             hit = int(self.engine.lookup(tokens[:span], lookup_id=req_id, pin=True))
             mapping = {loc: list(keys) for loc, keys in self.engine.lookup_pins[req_id].items()}
             hit = self._check_disk_lengths(tokens[:hit], mapping)
@@ -264,21 +312,13 @@ class LMCacheOffload:
             # were sealed here or verified on their way in.
             local = len(mapping.get(tiers.BACKEND_OF_TIER[tiers.LOCAL_CPU], ()))
             report = RetrieveReport(trusted_starts={i * self.chunk_size for i in range(local)})
-            loaded = 0
             try:
-                if hit > 0:
-                    mask = self.engine.retrieve(
-                        tokens[:hit],
-                        kvcaches=list(kv_caches),
-                        slot_mapping=slots[:hit],
-                        req_id=req_id,
-                        **{TOKENS_KW: tokens[:hit], REPORT_KW: report},
-                    )
-                    loaded = _leading_true(mask)
-            except Exception:
-                logger.exception("LMCache retrieve failed for %d tokens: recomputing", hit)
-                self._count("retrieve_failures")
-                loaded = 0
+                got = (
+                    self._engine_retrieve(tokens[:hit], kv_caches, slots, req_id, report)
+                    if hit > 0
+                    else 0
+                )
+                loaded = got or 0
             finally:
                 self.engine.lookup_unpin(req_id)
             if report.verified_end is not None:
@@ -317,112 +357,6 @@ class LMCacheOffload:
                     return
                 self._count(f"loaded_bytes.{tier}", (end - pos) * self._payload_bytes_per_token)
                 pos = end
-
-    def evict(
-        self,
-        *,
-        token_ids: Sequence[int] | None = None,
-        chunk_hashes: Sequence[int] | None = None,
-        locations: Sequence[str] | None = None,
-    ) -> int:
-        if (token_ids is None) == (chunk_hashes is None):
-            raise ValueError("evict: give exactly one of token_ids or chunk_hashes")
-        backends = (
-            None if locations is None else [tiers.backend_for(t, self.tiers) for t in locations]
-        )
-        with self._lock:
-            if token_ids is not None:
-                keys = [k for _, _, k in self._chunks(token_ids)]
-            else:
-                db = self.engine.token_database
-                keys = [db._make_key_by_hash(int(h)) for h in chunk_hashes or ()]
-            removed = 0
-            for key in keys:
-                if key in self._pinned:
-                    self._count("evict_skipped_pinned")
-                    continue
-                local = [
-                    b for b in tiers.BACKEND_OF_TIER.values() if backends is None or b in backends
-                ]
-                n = self._storage.remove(key, local) if local else 0
-                if backends is None or tiers.REMOTE_BACKEND in backends:
-                    n += int(remote_remove(self._storage, key))
-                removed += int(n > 0)
-            self._count("evicted_chunks", removed)
-            return removed
-
-    def prefetch(self, token_ids: Sequence[int]) -> int:
-        tokens = list(token_ids)
-        with self._lock:
-            self._refresh_health()
-            chunks = self._chunks(tokens)
-            span = {k: (s, e) for s, e, k in chunks}
-            _, mapping = self._storage.batched_contains([k for _, _, k in chunks])
-            for backend, keys in mapping.items():
-                if backend == tiers.BACKEND_OF_TIER[tiers.LOCAL_CPU]:
-                    continue
-                objs = self._storage.batched_get(list(keys), location=backend)
-                ok = True
-                for key, obj in zip(keys, objs, strict=True):
-                    if obj is None:
-                        ok = False
-                        continue
-                    s, e = span[key]
-                    if ok and not self.connector.check(obj, tokens[s:e]):
-                        self._drop_chunk(key)
-                        ok = False
-                    obj.ref_count_down()
-                tier = tiers.tier_of_backend(backend, self.tiers)
-                self._count(f"prefetched_chunks.{tier}", len(keys))
-                if not ok:
-                    break
-            return int(self.engine.lookup(tokens, search_range=["LocalCPUBackend"]))
-
-    def _local_backends(self) -> list[tuple[str, Any]]:
-        sb = self._storage.storage_backends
-        return [(n, sb[n]) for n in tiers.BACKEND_OF_TIER.values() if n in sb]
-
-    def pin(self, token_ids: Sequence[int]) -> int:
-        with self._lock:
-            pinned_to = 0
-            for _, end, key in self._chunks(token_ids):
-                if key not in self._pinned:
-                    where = [name for name, b in self._local_backends() if b.pin(key)]
-                    if not where:
-                        break
-                    self._pinned[key] = where
-                pinned_to = end
-            return pinned_to
-
-    def unpin(self, token_ids: Sequence[int]) -> int:
-        with self._lock:
-            unpinned_to = 0
-            backends = dict(self._local_backends())
-            for _, end, key in self._chunks(token_ids):
-                where = self._pinned.pop(key, None)
-                if where is None:
-                    break
-                for name in where:
-                    backends[name].unpin(key)
-                unpinned_to = end
-            return unpinned_to
-
-    def memory_stats(self) -> dict[str, object]:
-        out = tiers.local_tier_stats(self._storage, self.config)
-        if self._remote_health is not None:
-            out[self._remote_health.tier] = {
-                "chunks": None,  # shared by every worker of the pool; the controller counts
-                "bytes": None,
-                "capacity_bytes": None,
-                "up": self._remote_health.up,
-            }
-        return {
-            "tiers": out,
-            "pinned_chunks": len(self._pinned),
-            "chunk_size": self.chunk_size,
-            "hit_tokens": self._metrics.get("lookup_hit_tokens", 0.0),
-            "miss_requests": self._metrics.get("lookup_miss_requests", 0.0),
-        }
 
     def metrics(self) -> dict[str, float]:
         out = dict(self._metrics)
@@ -476,6 +410,8 @@ class LMCacheOffload:
 
         def _run() -> None:
             try:
+                if self._prober is not None:
+                    self._prober.stop()
                 flush_pending(self._storage, max(0.0, deadline_s * 0.5))
                 close_redis(self._storage)
                 deregister_first(self.engine, min(1.0, deadline_s * 0.2))

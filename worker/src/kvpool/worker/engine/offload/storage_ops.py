@@ -152,3 +152,36 @@ def deregister_first(engine: Any, budget_s: float = 1.0) -> bool:
         time.sleep(0.01)
     time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))  # ZMQ's I/O thread sends it
     return bool(worker.msg_queue.empty())
+
+
+def pin_controller_requests(engine: Any) -> bool:
+    """Run LMCache's controller requests on the controller client's own event loop, one at a
+    time; True when the engine has a controller client.
+
+    LMCache's P2P backend awaits ``LMCacheWorker.async_put_and_wait_msg`` on the storage
+    manager's loop, but the DEALER socket belongs to the worker's loop: the reply then waits
+    until that loop wakes up for something else (measured: 0.4-5 s per P2P lookup, often past
+    the 3 s lookup timeout). Two requests in flight on one DEALER can also take each other's
+    replies. LMCache-Ascend pins the call to the worker loop the same way.
+    """
+    worker = getattr(engine, "lmcache_worker", None)
+    if worker is None:
+        return False
+    original = worker.async_put_and_wait_msg
+    loop = worker.loop
+    lock: list[asyncio.Lock] = []  # created on the worker loop, on first use
+
+    async def _serialized(msg: Any) -> Any:
+        if not lock:
+            lock.append(asyncio.Lock())
+        async with lock[0]:
+            return await original(msg)
+
+    async def pinned(msg: Any) -> Any:
+        if asyncio.get_running_loop() is loop:
+            return await _serialized(msg)
+        fut = asyncio.run_coroutine_threadsafe(_serialized(msg), loop)
+        return await asyncio.wrap_future(fut)
+
+    worker.async_put_and_wait_msg = pinned
+    return True

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -128,6 +129,36 @@ class RemoteHealth:
         if ok:
             logger.warning("tier %s at %s:%d answers again: using it", self.tier, *self.address)
         return ok
+
+
+class HealthProber:
+    """Probes a remote tier on its own daemon thread, never on the engine's compute thread.
+
+    A TCP connect to a dead host can take its whole timeout; on the compute thread that was
+    added to a request's time to first token. ``on_change(up)`` is called from this thread
+    when the tier goes down or comes back.
+    """
+
+    def __init__(self, health: RemoteHealth, on_change: Callable[[bool], None]) -> None:
+        self.health = health
+        self._on_change = on_change
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvpool-probe-{health.tier}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.health.interval_s):
+            try:
+                changed = self.health.refresh()
+                if changed is not None:
+                    self._on_change(changed)
+            except Exception:
+                logger.exception("probing tier %s failed", self.health.tier)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def local_tier_stats(storage: Any, config: LMCacheEngineConfig) -> dict[str, dict[str, object]]:

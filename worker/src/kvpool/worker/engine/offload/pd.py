@@ -1,0 +1,70 @@
+"""Prefill/decode disaggregation through LMCache 0.5.6's PD backend, seen from one worker.
+
+Why this module exists: LMCache's PD sender moves a request's KV only when ``store`` is given a
+``transfer_spec`` naming the receiver (host, per-rank init and alloc ports, request id): the
+vLLM adapter builds it from the request's ``kv_transfer_params["disagg_spec"]`` that the
+disaggregation proxy sent. This module turns the worker's :class:`KVTransferParams` into the
+object LMCache reads (the attributes of vLLM adapter's ``DisaggSpec``; that module imports
+vLLM, which cannot be imported here), and describes the instance's PD role for the proxy
+(``GET /pd/info``). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache.v1.config import LMCacheEngineConfig
+
+from kvpool.worker.engine_api import KVTransferParams
+
+
+@dataclass
+class TransferSpec:
+    """What LMCache's PD backends read from ``transfer_spec`` (vLLM adapter's DisaggSpec)."""
+
+    req_id: str
+    receiver_id: str
+    receiver_host: str
+    receiver_init_port: list[int]
+    receiver_alloc_port: list[int]
+    is_last_prefill: bool = True
+    num_transferred_tokens: int = 0
+    total_chunks: int = 0
+    receiver_query_port: list[int] | None = None
+
+
+def transfer_spec(params: KVTransferParams, num_chunks: int) -> TransferSpec:
+    """The spec of one whole prefill (the reference engine prefills a prompt in one step)."""
+    return TransferSpec(
+        req_id=params.req_id,
+        receiver_id=params.receiver_host + str(list(params.receiver_init_port)),
+        receiver_host=params.receiver_host,
+        receiver_init_port=list(params.receiver_init_port),
+        receiver_alloc_port=list(params.receiver_alloc_port),
+        total_chunks=num_chunks,
+    )
+
+
+def pd_role(config: LMCacheEngineConfig) -> str | None:
+    """``sender`` / ``receiver`` / ``both`` when PD is on, else None."""
+    return str(config.pd_role) if config.enable_pd and config.pd_role else None
+
+
+def pd_info(config: LMCacheEngineConfig | None, tp_size: int = 1) -> dict[str, Any]:
+    """This instance's PD facts for the proxy (``GET /pd/info``)."""
+    role = None if config is None else pd_role(config)
+    if config is None or role is None:
+        return {"enabled": False}
+    out: dict[str, Any] = {"enabled": True, "role": role, "tp_size": tp_size}
+    if role in ("receiver", "both"):
+        out.update(
+            {
+                "receiver_host": config.pd_peer_host,
+                "receiver_init_port": list(config.pd_peer_init_port or []),
+                "receiver_alloc_port": list(config.pd_peer_alloc_port or []),
+            }
+        )
+    if role in ("sender", "both"):
+        out.update({"proxy_host": config.pd_proxy_host, "proxy_port": config.pd_proxy_port})
+    return out
