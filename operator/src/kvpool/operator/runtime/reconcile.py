@@ -1,0 +1,198 @@
+"""The level-triggered domain reconcile: read, plan (pure), write — coalesced per domain.
+
+Why per domain: a pool's objects depend on its members (the gateway's routing config) and
+every member's objects depend on the pool (seed, fingerprint, controller address), so any
+change anywhere in a domain is answered by one pass over the whole domain, in which every pod
+template changes together. Requests that arrive while a pass runs are folded into one more
+pass, so 300 CRs created at once cost a few passes per domain, not hundreds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvpool.operator.runtime import kube
+from kvpool.operator.runtime.metrics import Metrics
+from kvpool.operator.runtime.plan import Adopt, Observed, Plan, domain_selector, plan_domain, ref
+
+Obj = dict[str, Any]
+Key = tuple[str, str]  # (namespace, pool name)
+log = logging.getLogger(__name__)
+
+
+def utcnow() -> str:
+    """RFC 3339 UTC, seconds precision (metav1.Time)."""
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class DomainSource(Protocol):
+    """Where the reconcile reads a domain's CRs from (kopf's in-memory indexes)."""
+
+    def pool(self, namespace: str, name: str) -> Obj | None: ...
+
+    def members(self, namespace: str, pool: str) -> list[Obj]: ...
+
+
+@dataclass
+class Coalescer:
+    """Run ``fn(key)`` at most once at a time per key; callers that arrive while a run waits
+    to start share it, callers that arrive while it runs get the next one."""
+
+    fn: Callable[[Key], Awaitable[Plan]]
+    _locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
+    _pending: dict[Key, asyncio.Future[Plan]] = field(default_factory=dict)
+
+    async def __call__(self, key: Key) -> Plan:
+        waiting = self._pending.get(key)
+        if waiting is not None:
+            return await asyncio.shield(waiting)
+        fut: asyncio.Future[Plan] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._pending[key] = fut
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        try:
+            await lock.acquire()
+        except BaseException:
+            if self._pending.get(key) is fut:
+                del self._pending[key]
+            fut.cancel()
+            raise
+        try:
+            if self._pending.get(key) is fut:
+                del self._pending[key]
+            try:
+                result = await self.fn(key)
+            except BaseException as exc:
+                fut.set_exception(exc)
+                raise
+            fut.set_result(result)
+            return result
+        finally:
+            lock.release()
+
+
+class Reconciler:
+    """Reads a domain, plans it and applies the plan with the operator's client."""
+
+    def __init__(
+        self,
+        client: kube.KubeClient,
+        source: DomainSource,
+        adopt: Adopt,
+        metrics: Metrics,
+        clock: Callable[[], str] = utcnow,
+    ) -> None:
+        self.client = client
+        self.source = source
+        self.adopt = adopt
+        self.metrics = metrics
+        self.clock = clock
+        self.excluded: set[tuple[str, str, str]] = set()  # (ns, kind, name) being finalized
+        self._run = Coalescer(self._reconcile)
+
+    async def reconcile(self, namespace: str, pool: str) -> Plan:
+        """One (possibly shared) pass over the domain ``namespace/pool``."""
+        return await self._run((namespace, pool))
+
+    async def observe(self, namespace: str, pool_name: str) -> Observed:
+        pool = self.source.pool(namespace, pool_name)
+        members = [
+            m
+            for m in self.source.members(namespace, pool_name)
+            if (namespace, m["kind"], m["metadata"]["name"]) not in self.excluded
+        ]
+        selector = domain_selector(pool_name)
+        kinds = (*kube.CHILD_KINDS, "Pod") if pool is not None else ()
+        lists = await asyncio.gather(*(self.client.list(k, namespace, selector) for k in kinds))
+        children = [
+            {**obj, "kind": kind}
+            for kind, objs in zip(kinds[:-1], lists[:-1], strict=True)
+            for obj in objs
+        ]
+        pods = lists[-1] if lists else []
+        return Observed(namespace, pool_name, pool, members, children, pods)
+
+    async def _reconcile(self, key: Key) -> Plan:
+        namespace, pool_name = key
+        started = time.monotonic()
+        try:
+            observed = await self.observe(namespace, pool_name)
+            plan = plan_domain(observed, self.clock(), self.adopt)
+            await self.apply(plan)
+        except Exception:
+            self.metrics.reconciled("domain", "error", time.monotonic() - started)
+            raise
+        result = "invalid" if plan.invalid else "ok"
+        self.metrics.reconciled("domain", result, time.monotonic() - started)
+        log.info(
+            "reconciled domain %s/%s: %d created, %d patched, %d pruned, %d status(es)%s",
+            namespace,
+            pool_name,
+            len(plan.create),
+            len(plan.patch),
+            len(plan.delete),
+            len(plan.statuses),
+            f"; invalid: {', '.join(sorted(plan.invalid))}" if plan.invalid else "",
+            extra={"object": f"{namespace}/{pool_name}", "kind": "KVCachePool"},
+        )
+        return plan
+
+    async def prune_all(self, namespace: str, pool_name: str) -> None:
+        """Delete every child of a domain (the pool is going; a real cluster's garbage
+        collector would do the same through ownerReferences)."""
+        selector = domain_selector(pool_name)
+        for kind in kube.CHILD_KINDS:
+            for obj in await self.client.list(kind, namespace, selector):
+                await self.client.delete(kind, namespace, obj["metadata"]["name"])
+
+    async def _create(self, obj: Obj) -> None:
+        try:
+            await self.client.create(obj)
+        except kube.ApiError as exc:
+            if exc.status != 409:
+                raise
+            meta = obj["metadata"]
+            await self.client.patch(obj["kind"], meta["namespace"], meta["name"], obj)
+
+    async def _status(self, body: Obj, status: Obj) -> None:
+        meta = body["metadata"]
+        try:
+            await self.client.patch(
+                body["kind"], meta["namespace"], meta["name"], {"status": status}, status=True
+            )
+        except kube.ApiError as exc:
+            if exc.status != 404:  # deleted meanwhile: nothing to report on
+                raise
+
+    async def apply(self, plan: Plan) -> None:
+        """Children first (creates, patches, prunes), then statuses, then Events."""
+        now = self.clock()
+        writes: list[Awaitable[Any]] = [self._create(o) for o in plan.create]
+        writes += [
+            self.client.patch(cur["kind"], cur["metadata"]["namespace"], cur["metadata"]["name"], p)
+            for cur, p in plan.patch
+        ]
+        writes += [
+            self.client.delete(o["kind"], o["metadata"]["namespace"], o["metadata"]["name"])
+            for o in plan.delete
+        ]
+        await asyncio.gather(*writes)
+        await asyncio.gather(*(self._status(body, st) for body, st in plan.statuses))
+        for body, etype, reason, message in plan.events:
+            log.warning(
+                "%s %s: %s",
+                ref(body),
+                reason,
+                message.replace("\n", " | "),
+                extra={"object": f"{body['metadata']['namespace']}/{body['metadata']['name']}"},
+            )
+            try:
+                await self.client.event(body, etype, reason, message, now)
+            except kube.ApiError as exc:  # an Event is best effort, never a failed reconcile
+                log.warning("could not post Event %s on %s: %s", reason, ref(body), exc)

@@ -1,0 +1,313 @@
+"""An apiserver-like kmock KubernetesEmulator for running kopf (and kvpool's operator) against.
+
+Why: no Kubernetes API server can run on these machines. kmock's stock emulator stores objects
+as plain merged dicts; kopf relies on more (../shared/reference/kopf-on-kmock.md). This
+subclass adds what the operator's correctness depends on:
+
+- metadata stamping: uid, a monotonic resourceVersion, generation (bumped only when spec
+  changes), creationTimestamp, generateName, the namespace taken from the URL;
+- JSON patch (RFC 6902) with a failed ``test`` op answered 422, merge patch (RFC 7386: null
+  deletes, lists replaced); a no-op patch keeps the resourceVersion;
+- the status subresource isolated: ``/status`` changes only status, the main endpoint ignores
+  status (also on create);
+- finalizers: DELETE sets deletionTimestamp while finalizers remain; removing the last one
+  deletes the object;
+- LIST returns the current resourceVersion and WATCH resumes from it (no replay of stale
+  objects), label selectors (``a=b``, ``a!=b``, ``a``, ``!a``) on both.
+
+Not done here (tested elsewhere or only on a real cluster, e2e/tests/test_kind.py): garbage
+collection through ownerReferences, schema validation/defaulting/CEL (the CRDs are checked with
+kubernetes-validate and cel-python in tests/unit), admission webhooks (called directly in
+tests/integration/test_webhook.py), RBAC (tests check the permissions module instead),
+server-side apply, PUT, field selectors, watch bookmarks and 410 Gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import jsonpointer
+import kmock
+from kmock._internal import enums, references, rendering
+
+CRDS = {
+    "kvpool.io/v1alpha1/kvcachepools": ("KVCachePool", "kvcachepool"),
+    "kvpool.io/v1alpha1/p2pgroups": ("P2PGroup", "p2pgroup"),
+    "kvpool.io/v1alpha1/pdpairs": ("PDPair", "pdpair"),
+}
+VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def selector_matches(selector: str, labels: dict[str, str]) -> bool:
+    """Equality-based label selectors, as kubectl and kopf send them."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key) == value:
+                return False
+        elif "=" in term:
+            key, value = term.split("=", 1)
+            if labels.get(key.rstrip("=")) != value.lstrip("="):
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=status, reason=reason, message=message, details={})
+
+
+@attrs.define(kw_only=True)
+class ApiServer(kmock.KubernetesEmulator):
+    """The emulator with the apiserver behaviour listed in the module docstring."""
+
+    _rv: int = attrs.field(default=0, init=False)
+    _log: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list, init=False)
+    _watchers: list[tuple[Any, str | None, asyncio.Queue[dict[str, Any]]]] = attrs.field(
+        factory=list, init=False
+    )
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.resources.load_bundled()
+        for key, (kind, singular) in CRDS.items():
+            self.resources[key] = kmock.ResourceInfo(
+                namespaced=True,
+                kind=kind,
+                singular=singular,
+                verbs=VERBS,
+                subresources={"status"},
+            )
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _has_status(self, resource: Any) -> bool:
+        return resource in self.resources and "status" in self.resources[resource].subresources
+
+    def _emit(self, resource: Any, etype: str, obj: dict[str, Any]) -> None:
+        event = {"type": etype, "object": copy.deepcopy(obj)}
+        self._log.append((self._rv, resource, event))
+        namespace = obj.get("metadata", {}).get("namespace")
+        for res, ns, queue in self._watchers:
+            if res == resource and (ns is None or ns == namespace):
+                queue.put_nowait(event)
+
+    def _bump(self, obj: dict[str, Any]) -> None:
+        self._rv += 1
+        obj.setdefault("metadata", {})["resourceVersion"] = str(self._rv)
+
+    def _current(self, request: rendering.Request) -> tuple[Any, dict[str, Any]]:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            raise _error(404, "NotFound", f"{request.resource.plural} {request.name!r} not found")
+        return key, copy.deepcopy(self.objects[key].raw)
+
+    # -- mutations -------------------------------------------------------------------------
+    def _create(self, request: rendering.Request) -> tuple[int, dict[str, Any]]:
+        obj = copy.deepcopy(request.data) if isinstance(request.data, dict) else {}
+        meta = obj.setdefault("metadata", {})
+        namespace = request.namespace or meta.get("namespace")
+        if namespace:
+            meta["namespace"] = namespace
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + secrets.token_hex(3)
+        if not meta.get("name"):
+            raise _error(422, "Invalid", "metadata.name: Required value")
+        key = (request.resource, namespace, meta["name"])
+        if key in self.objects and not self.objects[key].deleted:
+            raise _error(409, "AlreadyExists", f"{meta['name']!r} already exists")
+        if self._has_status(request.resource):
+            obj.pop("status", None)
+        meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now())
+        meta.pop("deletionTimestamp", None)
+        self._bump(obj)
+        if key in self.objects:
+            self.objects[key].create(obj)
+        else:
+            self.objects[key] = obj
+        self._emit(request.resource, "ADDED", obj)
+        return 201, obj
+
+    def _patched(self, request: rendering.Request, old: dict[str, Any]) -> dict[str, Any]:
+        ctype = request.headers.get("Content-Type", "")
+        to_status = request.subresource == "status"
+        isolate = self._has_status(request.resource)
+        if request.subresource not in (None, "status") or (to_status and not isolate):
+            raise _error(404, "NotFound", f"no subresource {request.subresource!r}")
+        if "json-patch" in ctype:
+            ops = request.data if isinstance(request.data, list) else []
+            if isolate:
+                ops = [
+                    op
+                    for op in ops
+                    if op.get("op") == "test"
+                    or str(op.get("path", "")).startswith("/status") == to_status
+                ]
+            try:
+                result: dict[str, Any] = jsonpatch.apply_patch(old, ops)
+            except jsonpatch.JsonPatchTestFailed as exc:
+                raise _error(422, "Invalid", f"the test operation failed: {exc}") from None
+            except (jsonpatch.JsonPatchConflict, jsonpointer.JsonPointerException) as exc:
+                raise _error(422, "Invalid", str(exc)) from None
+            return result
+        if "merge-patch" not in ctype:
+            raise _error(415, "UnsupportedMediaType", f"patch type {ctype!r} is not served here")
+        patch = request.data if isinstance(request.data, dict) else {}
+        if isolate:
+            patch = {"status": patch.get("status")} if to_status else dict(patch)
+            if not to_status:
+                patch.pop("status", None)
+        merged: dict[str, Any] = merge_patch(old, patch)
+        return merged
+
+    def _update(self, request: rendering.Request) -> tuple[int, dict[str, Any]]:
+        key, old = self._current(request)
+        new = self._patched(request, old)
+        meta, old_meta = new.setdefault("metadata", {}), old["metadata"]
+        for immutable in ("uid", "name", "namespace", "creationTimestamp", "resourceVersion"):
+            if immutable in old_meta:
+                meta[immutable] = old_meta[immutable]
+        if "deletionTimestamp" in old_meta:
+            meta["deletionTimestamp"] = old_meta["deletionTimestamp"]
+        if new.get("spec") != old.get("spec"):
+            meta["generation"] = int(old_meta.get("generation", 1)) + 1
+        if new == old:
+            return 200, old
+        self._bump(new)
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            self.objects[key].create(new)
+            self.objects[key].delete()
+            self._emit(request.resource, "DELETED", new)
+            return 200, new
+        self.objects[key].create(new)
+        self._emit(request.resource, "MODIFIED", new)
+        return 200, new
+
+    def _delete(self, request: rendering.Request) -> tuple[int, dict[str, Any]]:
+        key, obj = self._current(request)
+        meta = obj["metadata"]
+        if meta.get("deletionTimestamp"):
+            return 200, obj
+        if meta.get("finalizers"):
+            meta["deletionTimestamp"] = _now()
+            self._bump(obj)
+            self.objects[key].create(obj)
+            self._emit(request.resource, "MODIFIED", obj)
+            return 200, obj
+        self._bump(obj)
+        self.objects[key].delete()
+        self._emit(request.resource, "DELETED", obj)
+        return 200, obj
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        mutations = {
+            enums.action.CREATE: self._create,
+            enums.action.UPDATE: self._update,
+            enums.action.DELETE: self._delete,
+        }
+        if request.resource is not None and request.action in mutations:
+            if request.action != enums.action.CREATE and request.name is None:
+                raise _error(405, "MethodNotAllowed", "collection writes are not served")
+            async with self._lock:
+                status, body = mutations[request.action](request)
+            return aiohttp.web.json_response(body, status=status)
+        if request.method == enums.method.PUT:
+            raise _error(405, "MethodNotAllowed", "PUT is not served by this emulator")
+        return await super()._handle(request)
+
+    # -- reads -----------------------------------------------------------------------------
+    def _matching(self, request: rendering.Request) -> list[dict[str, Any]]:
+        selector = request.params.get("labelSelector", "")
+        out = []
+        for (resource, namespace, _name), obj in sorted(
+            self.objects.items(), key=lambda kv: (str(kv[0][1]), kv[0][2])
+        ):
+            if resource != request.resource or obj.deleted:
+                continue
+            if request.namespace is not None and namespace != request.namespace:
+                continue
+            raw = obj.raw
+            if selector and not selector_matches(selector, raw["metadata"].get("labels") or {}):
+                continue
+            out.append(copy.deepcopy(raw))
+        return out
+
+    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        if request.resource not in self._get_resources():
+            raise kmock.KubernetesResourceNotFoundError()
+        async with self._lock:
+            items = self._matching(request)
+            rv = str(self._rv)
+        return {
+            "apiVersion": "v1",
+            "kind": "List",
+            "metadata": {"resourceVersion": rv},
+            "items": items,
+        }
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+        yield b""
+        selector = request.params.get("labelSelector", "")
+        since = request.params.get("resourceVersion")
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        watcher = (request.resource, request.namespace, queue)
+        async with self._lock:
+            if since:
+                backlog = [
+                    event
+                    for rv, res, event in self._log
+                    if rv > int(since) and res == request.resource
+                    if request.namespace in (None, event["object"]["metadata"].get("namespace"))
+                ]
+            else:
+                backlog = [{"type": "ADDED", "object": obj} for obj in self._matching(request)]
+            self._watchers.append(watcher)
+        try:
+            for event in backlog:
+                queue.put_nowait(event)
+            while True:
+                event = await queue.get()
+                labels = event["object"].get("metadata", {}).get("labels") or {}
+                if not selector or selector_matches(selector, labels):
+                    yield event
+        finally:
+            self._watchers.remove(watcher)
+
+    # -- test conveniences -----------------------------------------------------------------
+    def live(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Every live object of ``resource`` (e.g. ``"apps/v1/statefulsets"``)."""
+        res = references.resource(resource)
+        return [
+            obj.raw
+            for (r, ns, _n), obj in self.objects.items()
+            if r == res and not obj.deleted and (namespace is None or ns == namespace)
+        ]
