@@ -101,13 +101,11 @@ async def test_token_lookups_refused_for_other_hash_algorithms(
 
 def test_lookup_names_the_fastest_tier_when_tiers_hold_equal_shares() -> None:
     """GdsBackend sorts before LocalDiskBackend alphabetically; the disk tier is faster."""
-    from kvpool.controller.tokens import chunk_hashes
-
     server = ControllerServer(ControllerSettings(host="127.0.0.1", monitor_ports={"pull": 0}))
     svc = server.service
     svc.handle_request(p.RegisterMsg("a", 0, "10.0.0.1", 7000, None))
     tokens = list(range(512))
-    hashes = chunk_hashes(tokens)
+    hashes = svc.token_hashes(tokens)
     for location in ("GdsBackend", "LocalDiskBackend"):
         ops = [p.KVOpEvent(p.OpType.ADMIT, h, i) for i, h in enumerate(hashes)]
         svc.handle_push(p.BatchedKVOperationMsg("a", 0, location, ops))

@@ -11,7 +11,6 @@ from kvpool.controller import protocol as p
 from kvpool.controller.api import create_app
 from kvpool.controller.server import ControllerServer
 from kvpool.controller.settings import ControllerSettings
-from kvpool.controller.tokens import chunk_hashes
 
 
 @pytest.fixture
@@ -30,7 +29,7 @@ async def test_prefix_lookup_by_hashes_and_by_tokens(
     svc = server.service
     svc.handle_request(p.RegisterMsg("a", 0, "10.0.0.1", 7000, "peer-a"))
     tokens = list(range(600))
-    hashes = chunk_hashes(tokens)
+    hashes = svc.token_hashes(tokens)
     ops = [p.KVOpEvent(p.OpType.ADMIT, h, i) for i, h in enumerate(hashes[:2])]
     svc.handle_push(p.BatchedKVOperationMsg("a", 0, "LocalCPUBackend", ops))
     by_hash = (await c.post("/v1/prefix_lookup", json={"hashes": hashes})).json()

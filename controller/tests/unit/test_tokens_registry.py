@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvpool.controller.registry import Registry, SeqVerdict, check_fingerprint
+from kvpool.controller.service import ControllerService
 from kvpool.controller.settings import ControllerSettings
-from kvpool.controller.tokens import chunk_hashes
 from kvpool.protocol.domain import split_instance_id
 
 
@@ -16,7 +16,7 @@ def test_chunk_hashes_match_lmcache_default_token_database(n_tokens: int) -> Non
 
     tokens = [(i * 7919) % 32000 for i in range(n_tokens)]
     theirs = [h for _, _, h in ChunkedTokenDatabase().process_tokens(tokens, make_key=False)]
-    assert chunk_hashes(tokens) == theirs
+    assert ControllerService(ControllerSettings()).token_hashes(tokens) == theirs
 
 
 def test_fingerprint_parsing_and_verdicts() -> None:

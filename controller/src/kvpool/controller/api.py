@@ -20,7 +20,6 @@ from pydantic import BaseModel, Field, model_validator
 from kvpool.controller import protocol as p
 from kvpool.controller.orchestration import handle_orchestration
 from kvpool.controller.server import ControllerServer
-from kvpool.controller.tokens import chunk_hashes
 
 
 class QueryInstRequest(BaseModel):
@@ -177,7 +176,7 @@ def create_app(server: ControllerServer) -> FastAPI:
             hashes = req.hashes
         else:
             refuse_tokens()
-            hashes = chunk_hashes(req.tokens or [], req.chunk_size or svc.settings.chunk_size)
+            hashes = svc.token_hashes(req.tokens or [], req.chunk_size)
         return {"chunks": len(hashes), "instances": svc.prefix_lookup(hashes)}
 
     @app.get("/metrics")

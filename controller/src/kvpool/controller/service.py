@@ -25,7 +25,7 @@ from kvpool.controller.index import ChunkIndex, tier_rank
 from kvpool.controller.metrics import Metrics
 from kvpool.controller.registry import Registry, WorkerRecord, check_fingerprint
 from kvpool.controller.settings import ControllerSettings
-from kvpool.controller.tokens import chunk_hashes
+from kvpool.protocol.hashing import HashConfig, chunk_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -390,11 +390,18 @@ class ControllerService:
 
     # ------------------------------------------------------------------ orchestration
 
+    def token_hashes(self, tokens: list[int], chunk_size: int | None = None) -> list[int]:
+        """The chunk hashes of ``tokens`` as LMCache's own controller computes them for
+        ``/lookup``: a default ``ChunkedTokenDatabase`` (builtin hash from NONE_HASH 0, the
+        trailing partial chunk included), with the domain's chunk size."""
+        config = HashConfig(chunk_size or self.settings.chunk_size, save_unfull_chunk=True)
+        return chunk_hashes(tokens, config)
+
     def lookup_tokens(self, tokens: list[int]) -> dict[str, tuple[str, int]]:
         """LMCache's ``/lookup``: per instance, (the tier holding most of its prefix, fastest on
         a tie; end token)."""
         t0 = time.perf_counter()
-        hashes = chunk_hashes(tokens, self.settings.chunk_size)
+        hashes = self.token_hashes(tokens)
         layout: dict[str, tuple[str, int]] = {}
         for instance_id, hit in self.index.prefix_hits(hashes).items():
             if hit.hit_chunks <= 0:
