@@ -88,3 +88,19 @@ async def test_metrics_health_and_readiness(
         assert name in text, name
     assert (await c.get("/healthz")).json() == {"status": "ok"}
     assert (await c.get("/readyz")).status_code == 503  # loops not started
+
+
+async def test_deregister_forgets_every_worker_of_an_instance(
+    client: tuple[httpx.AsyncClient, ControllerServer],
+) -> None:
+    c, server = client
+    svc = server.service
+    for worker in (0, 1):
+        svc.handle_request(p.RegisterMsg("inst~fp", worker, "10.0.0.1", 7000 + worker, "peer"))
+    svc.handle_request(p.RegisterMsg("other~fp", 0, "10.0.0.2", 7000, "peer"))
+    r = await c.post("/v1/deregister", json={"instance_id": "inst~fp"})
+    assert r.json() == {"instance_id": "inst~fp", "deregistered": 2}
+    assert svc.registry.instances() == ["other~fp"]
+    again = await c.post("/v1/deregister", json={"instance_id": "inst~fp"})
+    assert again.json()["deregistered"] == 0
+    assert (await c.post("/v1/deregister", json={})).status_code == 422

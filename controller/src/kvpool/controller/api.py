@@ -4,7 +4,7 @@ Why: scripts and dashboards written for ``python -m lmcache.v1.api_server`` keep
 (``/lookup``, ``/query_instance``, ``/query_worker_info``, ``/clear``, ``/pin``, ``/compress``,
 ``/decompress``, ``/move``, ``/health``, ``/check_finish``: same request bodies, same response
 fields, HTTP 500 with a ``detail`` on failure). kvpool adds ``POST /v1/prefix_lookup`` (the
-gateway's query), ``/metrics`` (Prometheus), ``/healthz`` and ``/readyz``.
+gateway's query), ``POST /v1/deregister`` (the operator's finalizer), ``/metrics`` (Prometheus), ``/healthz`` and ``/readyz``.
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ class CheckFinishRequest(BaseModel):
 class QueryWorkerInfoRequest(BaseModel):
     instance_id: str
     worker_ids: list[int] | None = None
+
+
+class DeregisterRequest(BaseModel):
+    instance_id: str = Field(min_length=1, description="lmcache_instance_id (<instance>~<fp>)")
 
 
 class PrefixLookupRequest(BaseModel):
@@ -178,6 +182,14 @@ def create_app(server: ControllerServer) -> FastAPI:
             refuse_tokens()
             hashes = svc.token_hashes(req.tokens or [], req.chunk_size)
         return {"chunks": len(hashes), "instances": svc.prefix_lookup(hashes)}
+
+    @app.post("/v1/deregister")
+    async def deregister(req: DeregisterRequest) -> dict[str, Any]:
+        """The operator's finalizer of a deleted P2PGroup/PDPair: forget every worker of the
+        instance now, instead of serving its keys until the heartbeat TTL purges it."""
+        workers = svc.registry.worker_ids(req.instance_id)
+        done = [w for w in workers if svc.deregister(req.instance_id, w, "deleted (operator)")]
+        return {"instance_id": req.instance_id, "deregistered": len(done)}
 
     @app.get("/metrics")
     async def metrics() -> Response:
