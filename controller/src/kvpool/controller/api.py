@@ -4,7 +4,8 @@ Why: scripts and dashboards written for ``python -m lmcache.v1.api_server`` keep
 (``/lookup``, ``/query_instance``, ``/query_worker_info``, ``/clear``, ``/pin``, ``/compress``,
 ``/decompress``, ``/move``, ``/health``, ``/check_finish``: same request bodies, same response
 fields, HTTP 500 with a ``detail`` on failure). kvpool adds ``POST /v1/prefix_lookup`` (the
-gateway's query), ``POST /v1/deregister`` (the operator's finalizer), ``/metrics`` (Prometheus), ``/healthz`` and ``/readyz``.
+gateway's query), ``POST /v1/deregister`` (the operator's finalizer), ``/metrics``
+(Prometheus), ``/healthz`` and ``/readyz``.
 """
 
 from __future__ import annotations
