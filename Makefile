@@ -33,6 +33,9 @@ $(STAMP): $(foreach c,$(COMPONENTS),$(c)/pyproject.toml) requirements-dev.txt
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q torch==2.13.0 -r requirements-dev.txt \
 	  $(foreach c,$(COMPONENTS),-e ./$(c)[test])
+	@# NIXL's meta package: after nixl-cu13 (a worker dependency), without its deps, or pip
+	@# pulls both CUDA variants (~470 MB). LMCache imports nixl._api.
+	$(BIN)/python -m pip install -q --no-deps nixl==1.5.2
 	@touch $@
 
 ##@ Checks

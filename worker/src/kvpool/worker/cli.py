@@ -249,6 +249,10 @@ def build_reference_engine(
             OffloadConfigError,
         )
 
+        if config.get("enable_p2p") or config.get("enable_pd"):
+            from kvpool.worker.ucx_env import restrict_ucx  # noqa: PLC0415
+
+            restrict_ucx(os.environ)  # before NIXL loads: UCX reads the process env once
         instance = str(config.get("lmcache_instance_id") or options.lmcache_instance_id)
         try:
             offload = LMCacheOffload(

@@ -27,7 +27,9 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> LMCacheEn
     """An LMCache engine config from a YAML file path or a dict, with a clear error."""
     try:
         if isinstance(source, Mapping):
-            return LMCacheEngineConfig.from_dict(dict(source))
+            cfg = LMCacheEngineConfig.from_dict(dict(source))
+            cfg.validate()  # as from_file does (PD then forces save_unfull_chunk, for one)
+            return cfg
         path = Path(source)
         if not path.is_file():
             raise OffloadConfigError(
