@@ -256,7 +256,7 @@ def _wire_ingest(w: Workload, apply: Callable[[Any], object]) -> dict[str, float
 
 
 def side_ours(p: Params) -> dict[str, float]:
-    from kvpool.controller.index import ChunkIndex
+    from kvpool.protocol.index import ChunkIndex
 
     w = make_workload(p)
     gc.collect()

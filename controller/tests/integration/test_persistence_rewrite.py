@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvpool.controller.deltas import Delta, DeltaOp, Snapshot
 from kvpool.controller.metrics import Metrics
 from kvpool.controller.persistence import RedisStore
+from kvpool.protocol.deltas import Delta, DeltaOp, Snapshot
 
 
 async def test_changes_during_a_rewrite_reach_redis(redis_server: dict[str, Any]) -> None:

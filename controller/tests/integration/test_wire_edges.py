@@ -14,7 +14,7 @@ import zmq
 from conftest import free_port, wait_until
 from lmcache.v1.cache_controller import message as lm
 
-from kvpool.controller import deltas
+from kvpool.protocol import deltas
 
 REG = lm.RegisterMsg(instance_id="i", worker_id=0, ip="127.0.0.1", port=1, peer_init_url="p")
 

@@ -7,7 +7,7 @@ from typing import Any, overload
 
 import pytest
 
-from kvpool.controller.index import SCAN_BLOCK, TIER_ORDER, ChunkIndex, InstanceHit, tier_rank
+from kvpool.protocol.index import SCAN_BLOCK, TIER_ORDER, ChunkIndex, InstanceHit, tier_rank
 
 CPU, DISK, REMOTE = "LocalCPUBackend", "LocalDiskBackend", "RemoteBackend"
 

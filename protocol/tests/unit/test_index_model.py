@@ -1,7 +1,7 @@
 """ChunkIndex against a naive reference model under random operation sequences.
 
 The reference keeps one plain ``set`` of (chunk, instance, worker, location) facts and answers
-every query by brute force, straight from the definitions in ``kvpool.controller.index``.
+every query by brute force, straight from the definitions in ``kvpool.protocol.index``.
 Hypothesis drives both with the same operations and checks every query agrees after each.
 """
 
@@ -13,8 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpool.controller import index as index_module
-from kvpool.controller.index import ChunkIndex, InstanceHit, tier_rank
+from kvpool.protocol import index as index_module
+from kvpool.protocol.index import ChunkIndex, InstanceHit, tier_rank
 
 INSTANCES = ["i0", "i1", "i2", "i3"]
 WORKERS = [0, 1, 2]

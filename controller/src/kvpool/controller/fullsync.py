@@ -15,8 +15,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvpool.controller import protocol as p
-from kvpool.controller.deltas import DeltaOp
 from kvpool.controller.registry import SyncState
+from kvpool.protocol.deltas import DeltaOp
 
 if TYPE_CHECKING:
     from kvpool.controller.service import ControllerService

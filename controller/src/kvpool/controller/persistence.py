@@ -25,8 +25,8 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from kvpool.controller.deltas import Delta, DeltaOp, Snapshot
 from kvpool.controller.metrics import Metrics
+from kvpool.protocol.deltas import Delta, DeltaOp, Snapshot
 
 logger = logging.getLogger(__name__)
 

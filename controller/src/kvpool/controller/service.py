@@ -5,7 +5,7 @@ struct, so the unit tests drive the whole protocol without ZMQ, and the transpor
 (``server.py``) stays a thin loop. Handlers never raise on bad input: they count it (by kind),
 log it once per kind, and leave the index untouched.
 
-Index changes are recorded as numbered :class:`~kvpool.controller.deltas.Delta` s when someone
+Index changes are recorded as numbered :class:`~kvpool.protocol.deltas.Delta` s when someone
 consumes them (the PUB stream or the Redis write-behind); ``take_deltas`` hands them over.
 """
 
@@ -20,12 +20,12 @@ from typing import Any
 from kvpool.controller import fullsync
 from kvpool.controller import protocol as p
 from kvpool.controller.control import ControlError, ControlPlane
-from kvpool.controller.deltas import Delta, DeltaOp, LocationEntry, Snapshot, WorkerEntry
-from kvpool.controller.index import ChunkIndex, tier_rank
 from kvpool.controller.metrics import Metrics
 from kvpool.controller.registry import Registry, WorkerRecord, check_fingerprint
 from kvpool.controller.settings import ControllerSettings
+from kvpool.protocol.deltas import Delta, DeltaOp, LocationEntry, Snapshot, WorkerEntry
 from kvpool.protocol.hashing import HashConfig, chunk_hashes
+from kvpool.protocol.index import ChunkIndex, tier_rank
 
 logger = logging.getLogger(__name__)
 

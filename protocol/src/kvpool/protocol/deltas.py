@@ -5,7 +5,17 @@ for each decision adds a round trip. Instead the controller publishes every inde
 ZMQ PUB socket as numbered deltas, and a gateway keeps a local replica. A replica that sees a
 gap in the numbers (a slow subscriber drops messages; PUB never blocks the controller) or a new
 controller epoch (a restart) asks the snapshot socket for the whole index and replays the deltas
-it buffered meanwhile. The same deltas feed the Redis write-behind.
+it buffered meanwhile. The same deltas feed the controller's Redis write-behind. Publisher and
+subscribers live in different components, so the wire types and the replica are defined here,
+once, next to the index they both keep (:mod:`kvpool.protocol.index`).
+
+Wire (msgpack of the array-like structs below):
+
+- PUB (controller ``--pub-port``): multipart ``[TOPIC, encode(DeltaBatch)]``; subscribe to
+  :data:`TOPIC`.
+- Snapshot (controller ``--snapshot-port``, a ROUTER): a DEALER sends ``[b"",
+  SNAPSHOT_REQUEST]`` and receives ``[b"", encode(Snapshot)]``; the snapshot includes every
+  delta numbered before it was taken.
 
 Everything here is pure: :class:`IndexReplica` never touches a socket.
 """
@@ -17,7 +27,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvpool.controller.index import ChunkIndex, InstanceHit
+from kvpool.protocol.index import ChunkIndex, InstanceHit
 
 TOPIC = b"kvpool.delta"
 SNAPSHOT_REQUEST = b"snapshot"
@@ -149,12 +159,15 @@ class IndexReplica:
         self.needs_snapshot = False
         buffered = self._buffer if self._buffer_epoch == snapshot.epoch else []
         self._buffer = []
-        for delta in sorted(buffered, key=lambda d: d.seq):
+        ordered = sorted(buffered, key=lambda d: d.seq)
+        for position, delta in enumerate(ordered):
             if delta.seq <= self.seq:
                 continue
             if delta.seq != self.seq + 1:
+                # still a hole: keep what follows it for the next snapshot to be replayed onto
                 self.needs_snapshot = True
                 self.gaps += 1
+                self._buffer_deltas(snapshot.epoch, ordered[position:])
                 return False
             self._apply(delta)
         return True
@@ -183,12 +196,16 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 def encode(obj: DeltaBatch | Snapshot) -> bytes:
+    """The msgpack frame of a batch (PUB) or a snapshot (snapshot reply)."""
     return _ENCODER.encode(obj)
 
 
 def decode_batch(frame: bytes) -> DeltaBatch:
+    """A PUB frame back into a batch; raises ``msgspec.DecodeError`` (or its
+    ``ValidationError``) on a frame that is not one."""
     return _BATCH_DECODER.decode(frame)
 
 
 def decode_snapshot(frame: bytes) -> Snapshot:
+    """A snapshot reply back into a snapshot; raises like :func:`decode_batch`."""
     return _SNAPSHOT_DECODER.decode(frame)

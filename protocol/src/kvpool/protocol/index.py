@@ -1,10 +1,14 @@
-"""The controller's pure chunk index: which instance, worker (TP rank) and tier holds each chunk.
+"""The pure chunk index: which instance, worker (TP rank) and tier holds each chunk.
 
 Why it exists: the gateway routes by the longest cached prefix and P2P asks for a peer that
 holds a prompt's KV on the *same* TP rank; both questions are answered here, on every request,
-so they must be cheap. LMCache's own controller (``RegistryTree``) keeps one ``set`` per
-(instance, worker, location) and finds a chunk by probing every set of every worker; its
-lookup cost grows with the number of workers and it cannot say *how much* each instance holds.
+so they must be cheap. It lives in kvpool.protocol because two components keep one: the
+controller (the source of truth) and every gateway (its replica, fed by
+:mod:`kvpool.protocol.deltas`), and a replica must answer exactly as the controller would.
+
+LMCache's own controller (``RegistryTree``) keeps one ``set`` per (instance, worker, location)
+and finds a chunk by probing every set of every worker; its lookup cost grows with the number
+of workers and it cannot say *how much* each instance holds.
 
 Layout (no I/O, no threads, no logging):
 

@@ -1,0 +1,200 @@
+"""The delta stream's bytes are pinned, and the pure IndexReplica follows it through gaps,
+restarts and snapshots, answering prefix lookups as the controller's own index would.
+
+The golden frames were produced by the controller's deltas module before it moved here: a
+change to them breaks every gateway replica that is not upgraded in the same instant.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.protocol.deltas import (
+    Delta,
+    DeltaBatch,
+    DeltaOp,
+    IndexReplica,
+    LocationEntry,
+    Snapshot,
+    WorkerEntry,
+    apply_delta,
+    decode_batch,
+    decode_snapshot,
+    encode,
+)
+from kvpool.protocol.index import ChunkIndex
+
+CPU, DISK = "LocalCPUBackend", "LocalDiskBackend"
+GOLDEN_BATCH = bytes.fromhex(
+    "92a26531929800a9776f726b65725f7570a4617e667000a090a97463703a2f2f683a31a97463703a2f2f683a"
+    "329801a561646d6974a4617e667000af4c6f63616c4350554261636b656e649301fecf7fffffffffffffffc0c0"
+)
+GOLDEN_SNAPSHOT = bytes.fromhex(
+    "94a26531019194a4617e667000a97463703a2f2f683a31c09194a4617e667000af4c6f63616c4350554261636b"
+    "656e649201fe"
+)
+
+
+def test_frames_are_byte_identical_to_the_controllers() -> None:
+    batch = DeltaBatch(
+        "e1",
+        [
+            Delta(0, DeltaOp.WORKER_UP, "a~fp", 0, url="tcp://h:1", peer_init_url="tcp://h:2"),
+            Delta(1, DeltaOp.ADMIT, "a~fp", 0, CPU, [1, -2, 2**63 - 1]),
+        ],
+    )
+    snap = Snapshot(
+        "e1",
+        1,
+        [WorkerEntry("a~fp", 0, "tcp://h:1", None)],
+        [LocationEntry("a~fp", 0, CPU, [1, -2])],
+    )
+    assert encode(batch) == GOLDEN_BATCH
+    assert encode(snap) == GOLDEN_SNAPSHOT
+    assert decode_batch(GOLDEN_BATCH) == batch
+    assert decode_snapshot(GOLDEN_SNAPSHOT) == snap
+
+
+def test_a_frame_of_another_type_is_refused() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        decode_batch(GOLDEN_SNAPSHOT)
+    with pytest.raises(msgspec.DecodeError):
+        decode_snapshot(b"\xc1not msgpack")
+
+
+def admit(seq: int, keys: list[int], inst: str = "a", loc: str = CPU, worker: int = 0) -> Delta:
+    return Delta(seq, DeltaOp.ADMIT, inst, worker, loc, keys)
+
+
+def synced(epoch: str = "e1", seq: int = -1) -> IndexReplica:
+    replica = IndexReplica()
+    assert replica.load_snapshot(Snapshot(epoch, seq, [], []))
+    return replica
+
+
+def test_nothing_is_answered_before_the_first_snapshot() -> None:
+    replica = IndexReplica()
+    assert replica.needs_snapshot
+    assert not replica.apply_batch(DeltaBatch("e1", [admit(0, [1])]))
+    assert replica.prefix_hits([1]) == {}
+    assert replica.load_snapshot(Snapshot("e1", -1, [], []))  # replays the buffered delta
+    assert replica.prefix_hits([1])["a"].hit_chunks == 1
+
+
+def test_longest_prefix_per_instance_with_tiers() -> None:
+    replica = synced()
+    assert replica.apply_batch(
+        DeltaBatch(
+            "e1",
+            [
+                admit(0, [1, 2, 3], "a", CPU),
+                admit(1, [3, 4], "a", DISK),
+                admit(2, [1], "b", CPU, worker=1),
+            ],
+        )
+    )
+    hits = replica.prefix_hits([1, 2, 3, 4, 5])
+    assert hits["a"].hit_chunks == 4 and hits["a"].per_location == {CPU: 3, DISK: 2}
+    assert hits["b"].hit_chunks == 1 and hits["b"].workers == (1,)
+
+
+def test_a_gap_asks_for_a_snapshot_and_buffers_the_rest() -> None:
+    replica = synced()
+    assert replica.apply_batch(DeltaBatch("e1", [admit(0, [1])]))
+    assert not replica.apply_batch(DeltaBatch("e1", [admit(2, [1, 2]), admit(3, [9], "b")]))
+    assert replica.needs_snapshot and replica.gaps == 1
+    # the snapshot covers 0..1 (delta 1 was lost on the wire); 2 and 3 are replayed from the buffer
+    snap = Snapshot("e1", 1, [], [LocationEntry("a", 0, CPU, [1])])
+    assert replica.load_snapshot(snap)
+    assert replica.seq == 3 and not replica.needs_snapshot
+    assert replica.prefix_hits([1, 2])["a"].hit_chunks == 2
+    assert replica.prefix_hits([9])["b"].hit_chunks == 1
+
+
+def test_duplicates_and_already_snapshotted_deltas_are_skipped() -> None:
+    replica = synced(seq=5)
+    assert replica.apply_batch(DeltaBatch("e1", [admit(4, [7]), admit(6, [1]), admit(6, [1])]))
+    assert replica.seq == 6 and replica.prefix_hits([7]) == {}
+
+
+def test_a_new_epoch_resyncs() -> None:
+    replica = synced()
+    assert replica.apply_batch(DeltaBatch("e1", [admit(0, [1, 2])]))
+    assert not replica.apply_batch(DeltaBatch("e2", [admit(0, [5])]))  # controller restarted
+    assert replica.needs_snapshot and replica.gaps == 1
+    assert replica.prefix_hits([1])["a"].hit_chunks == 1  # still answers from the old state
+    assert replica.load_snapshot(Snapshot("e2", -1, [], []))
+    assert replica.epoch == "e2" and replica.prefix_hits([1]) == {}
+    assert replica.prefix_hits([5])["a"].hit_chunks == 1
+
+
+def test_a_gap_inside_the_buffer_asks_again() -> None:
+    replica = IndexReplica()
+    replica.apply_batch(DeltaBatch("e1", [admit(5, [1]), admit(7, [2])]))
+    assert not replica.load_snapshot(Snapshot("e1", 4, [], []))
+    assert replica.needs_snapshot and replica.seq == 5
+
+
+def test_the_buffer_is_bounded() -> None:
+    replica = IndexReplica(max_buffered=3)
+    replica.apply_batch(DeltaBatch("e1", [admit(i, [i]) for i in range(10)]))
+    assert not replica.load_snapshot(Snapshot("e1", 2, [], []))  # only 7..9 were kept
+    assert replica.needs_snapshot
+    assert replica.load_snapshot(Snapshot("e1", 6, [], []))  # ...and are replayed onto this one
+    assert replica.seq == 9 and replica.prefix_hits([9])["a"].hit_chunks == 1
+
+
+def test_workers_follow_up_and_down() -> None:
+    replica = synced()
+    up = Delta(0, DeltaOp.WORKER_UP, "a", 0, url="tcp://h:1", peer_init_url=None)
+    down = Delta(2, DeltaOp.WORKER_DOWN, "a", 0)
+    assert replica.apply_batch(DeltaBatch("e1", [up, admit(1, [1])]))
+    assert replica.workers[("a", 0)].url == "tcp://h:1"
+    assert replica.apply_batch(DeltaBatch("e1", [down]))
+    assert replica.workers == {} and replica.prefix_hits([1]) == {}
+
+
+ops_st = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [DeltaOp.ADMIT, DeltaOp.EVICT, DeltaOp.REPLACE, DeltaOp.CLEAR, DeltaOp.WORKER_DOWN]
+        ),
+        st.sampled_from(["a", "b"]),
+        st.integers(0, 1),
+        st.sampled_from([CPU, DISK]),
+        st.lists(st.integers(0, 6), max_size=5),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=ops_st, drop=st.sets(st.integers(0, 39)))
+def test_replica_equals_the_source_index_after_any_losses(
+    ops: list[tuple[DeltaOp, str, int, str, list[int]]], drop: set[int]
+) -> None:
+    """Whatever deltas are lost, a snapshot of the source plus the stream brings it level."""
+    source = ChunkIndex()
+    replica = synced()
+    deltas = [
+        Delta(seq, op, inst, worker, loc, keys)
+        for seq, (op, inst, worker, loc, keys) in enumerate(ops)
+    ]
+    for delta in deltas:
+        apply_delta(source, delta)
+        if delta.seq not in drop:
+            replica.apply_batch(DeltaBatch("e1", [delta]))
+    if replica.needs_snapshot:
+        entries = [
+            LocationEntry(inst, worker, loc, source.worker_keys(inst, worker, loc))
+            for inst in ("a", "b")
+            for worker in (0, 1)
+            for loc in (CPU, DISK)
+        ]
+        assert replica.load_snapshot(Snapshot("e1", len(deltas) - 1, [], entries))
+    probe = list(range(7))
+    for start in range(7):
+        assert replica.prefix_hits(probe[start:]) == source.prefix_hits(probe[start:])
