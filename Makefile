@@ -38,6 +38,12 @@ $(STAMP): $(foreach c,$(COMPONENTS),$(c)/pyproject.toml) requirements-dev.txt
 	$(BIN)/python -m pip install -q --no-deps nixl==1.5.2
 	@touch $@
 
+##@ Demo
+.PHONY: demo
+demo: install ## Run examples/cpu-demo.yaml locally (kvpool-operator up) and replay an agent workload through it
+	@mkdir -p bench-results
+	PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false $(BIN)/kvpool-operator demo -f examples/cpu-demo.yaml --plot bench-results/demo.png
+
 ##@ Checks
 .PHONY: lint fmt test test-%
 lint: install ## ruff (lint + format check), mypy --strict, import-linter contracts

@@ -1,31 +1,36 @@
-"""The local stack's rewrite of a rendered domain: only what a cluster provides changes.
+"""``kvpool-operator up``'s plan of a rendered domain: only what a cluster provides changes.
 
-Why: every end-to-end claim of ``test_local_stack.py`` rests on the processes running the
-operator's render, not a hand-made variant. These tests run no process: they take the real
-render of ``examples/cpu-demo.yaml`` and check that the local form differs from it only by
-DNS names, bind addresses, ports and mount paths, that those rewrites are consistent across
-workloads (a worker's controller URL reaches the controller's local socket), and that the
-independent rewrite check fails on any other change.
+Why: every end-to-end claim of ``e2e/tests/test_local_stack.py`` rests on the processes
+running the operator's render, not a hand-made variant. These tests run no process: they
+take the real render of ``examples/cpu-demo.yaml`` and check that the local form differs from
+it only by DNS names, bind addresses, ports and mount paths, that those rewrites are
+consistent across workloads (a worker's controller URL reaches the controller's local
+socket), and that the independent rewrite check fails on any other change.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import localstack as ls
+from kvpool.operator.local import plan as ls
+from kvpool.operator.local.up import render_files
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cpu-demo.yaml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "cpu-demo.yaml"
 
 
 @pytest.fixture(scope="module")
 def objects() -> list[ls.Obj]:
-    return ls.render_file(EXAMPLE)
+    return render_files([EXAMPLE]).objects
+
+
+def _ports() -> ls.Allocate:
+    """Local ports for the plan: pure, deterministic (no socket is opened here)."""
+    return itertools.count(40000).__next__
 
 
 def test_extracts_every_workload_with_its_mounted_lmcache_config(objects: list[ls.Obj]) -> None:
@@ -44,7 +49,7 @@ def test_extracts_every_workload_with_its_mounted_lmcache_config(objects: list[l
 def test_rewrite_touches_only_cluster_provided_values(
     objects: list[ls.Obj], tmp_path: Path
 ) -> None:
-    cmap = ls.cluster_map(objects)
+    cmap = ls.cluster_map(objects, _ports())
     for name, w in ls.workloads(objects).items():
         lw = ls.localize(w, cmap, tmp_path)
         changes = ls.check_rewrite(w, lw, cmap)
@@ -67,7 +72,7 @@ def test_gateway_routing_config_reaches_local_workers(
     objects: list[ls.Obj], tmp_path: Path
 ) -> None:
     """Nested addresses (the gateway's instance URLs) move with their workers' ports."""
-    cmap = ls.cluster_map(objects)
+    cmap = ls.cluster_map(objects, _ports())
     loads = ls.workloads(objects)
     gw = ls.localize(loads["demo-gateway"], cmap, tmp_path)
     cfg = yaml.safe_load(next(iter(gw.files.values())))
@@ -82,7 +87,7 @@ def test_gateway_routing_config_reaches_local_workers(
 def test_worker_and_controller_addresses_meet_on_the_same_local_sockets(
     objects: list[ls.Obj], tmp_path: Path
 ) -> None:
-    cmap = ls.cluster_map(objects)
+    cmap = ls.cluster_map(objects, _ports())
     loads = ls.workloads(objects)
     ctl = ls.localize(loads["demo-controller"], cmap, tmp_path)
     monitor = json.loads(ctl.argv[ctl.argv.index("--monitor-ports") + 1])
@@ -112,7 +117,7 @@ def test_worker_and_controller_addresses_meet_on_the_same_local_sockets(
 def test_rewrite_check_refuses_any_other_change(
     objects: list[ls.Obj], tmp_path: Path, where: str, mutate: object
 ) -> None:
-    cmap = ls.cluster_map(objects)
+    cmap = ls.cluster_map(objects, _ports())
     w = ls.workloads(objects)["demo-p2p-0"]
     lw = ls.localize(w, cmap, tmp_path)
     path = next(iter(lw.files))
@@ -124,7 +129,7 @@ def test_rewrite_check_refuses_any_other_change(
 
 
 def test_rewrite_check_refuses_a_changed_flag_or_env(objects: list[ls.Obj], tmp_path: Path) -> None:
-    cmap = ls.cluster_map(objects)
+    cmap = ls.cluster_map(objects, _ports())
     w = ls.workloads(objects)["demo-p2p-0"]
     lw = ls.localize(w, cmap, tmp_path)
     lw.argv[lw.argv.index("--block-size") + 1] = "32"
@@ -137,7 +142,7 @@ def test_rewrite_check_refuses_a_changed_flag_or_env(objects: list[ls.Obj], tmp_
 
 
 def test_a_port_outside_the_domain_is_an_error(objects: list[ls.Obj], tmp_path: Path) -> None:
-    cmap = ls.cluster_map(objects)
+    cmap = ls.cluster_map(objects, _ports())
     w = ls.workloads(objects)["demo-p2p-0"]
     path = next(iter(w.files))
     cfg = yaml.safe_load(w.files[path])
@@ -145,3 +150,70 @@ def test_a_port_outside_the_domain_is_an_error(objects: list[ls.Obj], tmp_path: 
     w.files[path] = yaml.safe_dump(cfg)
     with pytest.raises(ls.StackError, match="port 1234 is not a port of any Service"):
         ls.localize(w, cmap, tmp_path)
+
+
+def _redis_domain(tmp_path: Path) -> list[ls.Obj]:
+    text = EXAMPLE.read_text().replace(
+        "  tiers:\n    cpu:\n      size: 1Gi\n",
+        "  tiers:\n    cpu:\n      size: 1Gi\n    remote:\n      redis: {url: redis://kv-redis:6379}\n"
+        "  controller:\n    persistence: {mode: redis, redisUrl: 'redis://kv-redis:6379/1'}\n",
+    )
+    assert "kv-redis" in text
+    path = tmp_path / "redis.yaml"
+    path.write_text(text)
+    return render_files([path]).objects
+
+
+def test_a_redis_the_pool_names_is_one_local_service_for_every_reader(tmp_path: Path) -> None:
+    """The tier's remote_url and the controller's --redis-url move to the same local Redis."""
+    objects = _redis_domain(tmp_path)
+    pool = render_files([tmp_path / "redis.yaml"]).pools[0]
+    services = ls.named_services(pool)
+    assert [(s.kind, s.host, s.port) for s in services] == [("redis", "kv-redis", 6379)]
+    cmap = ls.cluster_map(objects, _ports(), services)
+    port = cmap.external[("kv-redis", 6379)]
+    loads = ls.workloads(objects)
+    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path)
+    assert ctl.argv[ctl.argv.index("--redis-url") + 1] == f"redis://{ls.LOOPBACK}:{port}/1"
+    ls.check_rewrite(loads["demo-controller"], ctl, cmap)
+    wrk = ls.localize(loads["demo-p2p-0"], cmap, tmp_path)
+    cfg = yaml.safe_load(next(iter(wrk.files.values())))
+    assert cfg["remote_url"] == f"redis://{ls.LOOPBACK}:{port}"
+    ls.check_rewrite(loads["demo-p2p-0"], wrk, cmap)
+    # Another Redis address is not the named one: refused by the check.
+    cfg["remote_url"] = f"redis://{ls.LOOPBACK}:{port + 1}"
+    wrk.files[next(iter(wrk.files))] = yaml.safe_dump(cfg)
+    with pytest.raises(ls.StackError, match="remote_url"):
+        ls.check_rewrite(loads["demo-p2p-0"], wrk, cmap)
+
+
+def test_a_secret_the_pod_reads_needs_a_value(objects: list[ls.Obj], tmp_path: Path) -> None:
+    cmap = ls.cluster_map(objects, _ports())
+    w = ls.workloads(objects)["demo-gateway"]
+    w.secret_env["KVPOOL_GATEWAY_AUTH_TOKEN"] = ("token", "token")
+    with pytest.raises(ls.StackError, match="Secret token/token"):
+        ls.localize(w, cmap, tmp_path)
+    lw = ls.localize(w, cmap, tmp_path, {("token", "token"): "s3cret"})
+    assert lw.env["KVPOOL_GATEWAY_AUTH_TOKEN"] == "s3cret"
+    assert any("secretKeyRef token/token" in c for c in ls.check_rewrite(w, lw, cmap))
+
+
+def test_up_starts_a_cluster_s_order_and_refuses_engines_it_cannot_run(tmp_path: Path) -> None:
+    from kvpool.operator.local.stack import LocalStack
+    from kvpool.operator.local.up import stages, start_order
+
+    stack = LocalStack(render_files([EXAMPLE]).objects, tmp_path, cluster=ls.ClusterMap(
+        frozenset(), {}, {}))  # fmt: skip
+    order = start_order(stack)
+    assert [stack.rendered[s[0]].component for s in stages(stack, order)] == [
+        "controller",
+        "worker",
+        "gateway",
+    ]
+    gpu = LocalStack(
+        render_files([EXAMPLE.parent / "cuda-mooncake.yaml"]).objects,
+        tmp_path,
+        cluster=ls.ClusterMap(frozenset(), {}, {}),
+    )
+    with pytest.raises(ls.StackError, match=r"engine\.platform: cpu"):
+        start_order(gpu)

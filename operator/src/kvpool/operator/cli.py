@@ -94,6 +94,29 @@ def cmd_render(files: Sequence[str], fmt: str, out: TextIO, err: TextIO) -> int:
     return 0
 
 
+def cmd_local(args: argparse.Namespace) -> int:
+    """``up`` / ``down`` / ``demo``: the render as local processes (kvpool.operator.local)."""
+    from kvpool.operator.local import up as local  # noqa: PLC0415 (processes: loaded on demand)
+    from kvpool.operator.local.plan import StackError  # noqa: PLC0415
+
+    state_dir = Path(args.state_dir or local.DEFAULT_STATE_DIR)
+    try:
+        if args.command == "demo":
+            from kvpool.operator.local.demo import DemoError, run_demo  # noqa: PLC0415
+
+            try:
+                return run_demo(args.filename, state_dir, Path(args.plot), sys.stdout)
+            except DemoError as exc:
+                print(f"kvpool-operator demo: FAILED: {exc}", file=sys.stderr)
+                return 1
+        if args.command == "down":
+            return local.down(state_dir, sys.stdout)
+        return local.up(args.filename, state_dir, sys.stdout, args.ready_timeout, args.skip)
+    except StackError as exc:
+        print(f"kvpool-operator {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvpool-operator`` console script."""
     parser = argparse.ArgumentParser(
@@ -105,9 +128,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = sub.add_parser("render", help="print the Kubernetes objects the operator would create")
     r.add_argument("-f", "--filename", action="append", required=True, help="YAML file, - = stdin")
     r.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
+    u = sub.add_parser("up", help="run the render as local processes on 127.0.0.1 until Ctrl-C")
+    u.add_argument("-f", "--filename", action="append", required=True, help="YAML file")
+    u.add_argument("--state-dir", default=None, help="state file and logs (default .kvpool/up)")
+    u.add_argument("--ready-timeout", type=float, default=300.0, help="seconds per workload")
+    u.add_argument("--skip", action="append", default=[], help="a workload not to start")
+    d = sub.add_parser("down", help="stop everything a running `up` started")
+    d.add_argument("--state-dir", default=None, help="the state dir given to up")
+    m = sub.add_parser("demo", help="up, replay an agent workload through the gateway, down")
+    m.add_argument("-f", "--filename", action="append", required=True, help="YAML file")
+    m.add_argument("--state-dir", default=None, help="state file and logs (default .kvpool/up)")
+    m.add_argument("--plot", default="bench-results/demo.png", help="PNG written at the end")
     args = parser.parse_args(argv)
     if args.command == "validate":
         return cmd_validate(args.filename, sys.stdout)
+    if args.command in ("up", "down", "demo"):
+        return cmd_local(args)
     return cmd_render(args.filename, args.output, sys.stdout, sys.stderr)
 
 

@@ -1,29 +1,32 @@
-"""Plan a locally runnable copy of a rendered cache domain: pure, no processes.
+"""Plan a locally runnable copy of a rendered cache domain: pure, no processes, no sockets.
 
-Why this module exists: ``localstack`` starts processes; what it starts is decided here. From
-the operator's rendered objects it extracts each workload (command line, env, mounted LMCache
-YAML), maps every cluster-provided address and port to loopback and free local ports, and
-checks independently that the rewrite changed nothing else (see ``localstack``'s docstring for
-the full list of rewrites).
+Why this module exists: ``kvpool-operator up`` starts processes; what it starts is decided
+here. From the operator's rendered objects it extracts each workload (command line, env,
+mounted files), maps every cluster-provided address and port to loopback and local ports, and
+checks independently that the rewrite changed nothing else. The rewrites are exactly what a
+cluster provides and a laptop lacks:
+
+- Service and StatefulSet-pod DNS names, and the address of a service the pool names
+  (its Redis), -> ``127.0.0.1``; bind address ``0.0.0.0`` -> ``127.0.0.1``;
+- container ports -> local ports (one map for the whole domain, so every reference to a port,
+  in flags, JSON flags, env and mounted YAML, moves together);
+- ConfigMap mounts -> local files, and the env that points at them;
+- ``valueFrom: fieldRef status.podIP`` -> ``127.0.0.1``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from kvpool.operator.loader import load_text
-from kvpool.operator.render import render_domain
-from kvpool.operator.validation import errors, validate_domain
+from kvpool.operator.api.pool import KVCachePool
 
 LOOPBACK = "127.0.0.1"
 BIND_ANY = "0.0.0.0"
@@ -38,21 +41,10 @@ class StackError(RuntimeError):
     """The domain cannot be run locally; the message says why and what to look at."""
 
 
-# --------------------------------------------------------------------------- render + extract
-def render_file(path: str | os.PathLike[str]) -> list[Obj]:
-    """The operator's objects for every domain in ``path`` (validated first, like the CLI)."""
-    loaded = load_text(Path(path).read_text(encoding="utf-8"), str(path))
-    if loaded.errors:
-        raise StackError("; ".join(str(e) for e in loaded.errors))
-    objects: list[Obj] = []
-    for domain in loaded.domains():
-        problems = errors(validate_domain(domain.pool, domain.members))
-        if problems:
-            raise StackError("; ".join(str(p) for p in problems))
-        objects += render_domain(domain.pool, domain.members)
-    return objects
+Allocate = Callable[[], int]
 
 
+# --------------------------------------------------------------------------- extract
 @dataclass
 class Workload:
     """One container of a rendered Deployment or StatefulSet, as the pod would run it."""
@@ -66,6 +58,7 @@ class Workload:
     files: dict[str, str]  # mounted path -> content (ConfigMap items)
     readiness: tuple[str, int] | None  # HTTP GET path, port
     cpu: str | None = None
+    secret_env: dict[str, tuple[str, str]] = field(default_factory=dict)  # -> (secret, key)
 
 
 def _by_kind(objects: Sequence[Obj], kind: str) -> list[Obj]:
@@ -82,9 +75,13 @@ def workloads(objects: Sequence[Obj]) -> dict[str, Workload]:
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         env: dict[str, str] = {}
         field_env: dict[str, str] = {}
+        secret_env: dict[str, tuple[str, str]] = {}
         for item in container.get("env", []):
             if "value" in item:
                 env[item["name"]] = str(item["value"])
+            elif "secretKeyRef" in item.get("valueFrom", {}):
+                ref = item["valueFrom"]["secretKeyRef"]
+                secret_env[item["name"]] = (str(ref["name"]), str(ref.get("key", "")))
             else:
                 ref = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
                 if ref is None:
@@ -111,6 +108,7 @@ def workloads(objects: Sequence[Obj]) -> dict[str, Workload]:
             files=files,
             readiness=(probe["path"], int(probe["port"])) if probe else None,
             cpu=container.get("resources", {}).get("requests", {}).get("cpu"),
+            secret_env=secret_env,
         )
     return out
 
@@ -123,17 +121,49 @@ class ClusterMap:
     hosts: frozenset[str]
     service_ports: Mapping[tuple[str, int], int]  # (dns host, service port) -> container port
     ports: Mapping[int, int]  # container port -> local port
+    external: Mapping[tuple[str, int], int] = field(default_factory=dict)  # named service -> port
 
 
-def free_port() -> int:
-    """A TCP port the OS just handed out on 127.0.0.1 (tests run concurrently: never fixed)."""
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
+@dataclass(frozen=True)
+class NamedService:
+    """A service the pool names but the operator does not run (e.g. the Redis of a tier)."""
+
+    kind: str  # "redis"
+    host: str
+    port: int
+    named_by: str  # the field that names it
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.host, self.port)
 
 
-def cluster_map(objects: Sequence[Obj], allocate: Callable[[], int] = free_port) -> ClusterMap:
-    """DNS names of every Service (and StatefulSet pod), and a local port per container port."""
+def named_services(pool: KVCachePool) -> list[NamedService]:
+    """Every external service the pool's tiers and controller name, each address once."""
+    urls: list[tuple[str, str]] = []
+    remote = pool.spec.tiers.remote
+    if remote is not None and remote.redis is not None:
+        urls.append(("spec.tiers.remote.redis.url", remote.redis.url))
+    persistence = pool.spec.controller.persistence
+    if persistence.mode == "redis" and persistence.redis_url:
+        urls.append(("spec.controller.persistence.redisUrl", persistence.redis_url))
+    out: dict[tuple[str, int], NamedService] = {}
+    for where, url in urls:
+        parts = _split(url)
+        if parts is None or parts[0] not in ("redis://", "valkey://"):
+            raise StackError(
+                f"{where}: {url!r}: only redis:// and valkey:// URLs can be run locally"
+            )
+        service = NamedService("redis", parts[1], parts[2] or 6379, where)
+        out.setdefault(service.key, service)
+    return list(out.values())
+
+
+def cluster_map(
+    objects: Sequence[Obj], allocate: Allocate, services: Sequence[NamedService] = ()
+) -> ClusterMap:
+    """DNS names of every Service (and StatefulSet pod), a local port per container port, and
+    one per named service."""
     loads = workloads(objects)
     pods = {
         o["metadata"]["name"]: o
@@ -149,10 +179,15 @@ def cluster_map(objects: Sequence[Obj], allocate: Callable[[], int] = free_port)
                 )
             container_ports[number] = w.name
     local: dict[int, int] = {}
-    while len(local) < len(container_ports):
+    external: dict[tuple[str, int], int] = {}
+    while len(local) + len(external) < len(container_ports) + len(services):
         port = allocate()
-        if port not in local.values():
+        if port in local.values() or port in external.values():
+            continue
+        if len(local) < len(container_ports):
             local[sorted(set(container_ports) - set(local))[0]] = port
+        else:
+            external[services[len(external)].key] = port
     hosts: set[str] = set()
     service_ports: dict[tuple[str, int], int] = {}
     for svc in _by_kind(objects, "Service"):
@@ -181,7 +216,7 @@ def cluster_map(objects: Sequence[Obj], allocate: Callable[[], int] = free_port)
                 continue  # a named port over several workloads: not addressed by one number
             for host in names:
                 service_ports[(host, int(sp["port"]))] = target_port
-    return ClusterMap(frozenset(hosts), service_ports, local)
+    return ClusterMap(frozenset(hosts), service_ports, local, external)
 
 
 # --------------------------------------------------------------------------- the rewrite
@@ -203,7 +238,9 @@ def _address(value: str, cmap: ClusterMap) -> str:
     if parts is None:
         return value
     scheme, host, port, rest = parts
-    if host == BIND_ANY:
+    if port is not None and (host, port) in cmap.external:
+        new_port: int | None = cmap.external[(host, port)]
+    elif host == BIND_ANY:
         new_port = cmap.ports.get(port, port) if port is not None else None
     elif host in cmap.hosts:
         target = cmap.service_ports.get((host, port)) if port is not None else None
@@ -258,8 +295,14 @@ class LocalWorkload:
     readiness: tuple[str, int] | None  # path, local port
 
 
-def localize(w: Workload, cmap: ClusterMap, root: Path) -> LocalWorkload:
-    """Apply exactly the cluster-provided rewrites to one workload (pure but for ``root``)."""
+def localize(
+    w: Workload,
+    cmap: ClusterMap,
+    root: Path,
+    secrets: Mapping[tuple[str, str], str] | None = None,
+) -> LocalWorkload:
+    """Apply exactly the cluster-provided rewrites to one workload (``root``: where its files
+    go; ``secrets``: the value of each (Secret, key) the pod reads, which a cluster holds)."""
     argv = list(w.argv)
     for i in range(1, len(argv)):
         flag = argv[i - 1]
@@ -271,6 +314,10 @@ def localize(w: Workload, cmap: ClusterMap, root: Path) -> LocalWorkload:
         if ref != "status.podIP":
             raise StackError(f"{w.name}: env {key} comes from {ref}, which has no local value")
         env[key] = LOOPBACK
+    for key, secret in w.secret_env.items():
+        if secrets is None or secret not in secrets:
+            raise StackError(f"{w.name}: env {key} reads Secret {secret[0]}/{secret[1]}: no value")
+        env[key] = secrets[secret]
     files: dict[str, str] = {}
     for path, text in w.files.items():
         data = yaml.safe_load(text)
@@ -311,6 +358,8 @@ def _allowed(old: Any, new: Any, cmap: ClusterMap, files: Mapping[str, str]) -> 
     a, b = _split(old), _split(new)
     if a is None or b is None or (a[0], a[3]) != (b[0], b[3]) or b[1] != LOOPBACK:
         return False
+    if a[2] is not None and (a[1], a[2]) in cmap.external:
+        return b[2] == cmap.external[(a[1], a[2])]
     if a[1] not in cmap.hosts | {BIND_ANY}:
         return False
     if a[2] is None:
@@ -331,7 +380,7 @@ def check_rewrite(w: Workload, lw: LocalWorkload, cmap: ClusterMap) -> list[str]
     old_files = {p: yaml.safe_load(t) for p, t in w.files.items()}
     new_files = {p: yaml.safe_load(lw.files[lw.file_map[p]]) for p in w.files}
     env_old = dict(w.env)
-    env_new = {k: v for k, v in lw.env.items() if k not in w.field_env}
+    env_new = {k: v for k, v in lw.env.items() if k not in w.field_env and k not in w.secret_env}
     seen: list[str] = []
     pairs = [(w.argv, lw.argv, "argv"), (env_old, env_new, "env"), (old_files, new_files, "files")]
     for old, new, where in pairs:
@@ -341,4 +390,6 @@ def check_rewrite(w: Workload, lw: LocalWorkload, cmap: ClusterMap) -> list[str]
             seen.append(f"{path}: {a!r} -> {b!r}")
     for key in w.field_env:
         seen.append(f"env.{key}: fieldRef {w.field_env[key]} -> {lw.env[key]!r}")
+    for key, (secret, item) in w.secret_env.items():
+        seen.append(f"env.{key}: secretKeyRef {secret}/{item} -> (local secret)")
     return seen
