@@ -52,6 +52,9 @@ WORKER_VLLM_FLAGS: Final = (
     "--max-model-len",
 )
 
+#: KV dtypes kvpool's CPU reference engine can hold (the operator refuses others on platform cpu).
+REFERENCE_ENGINE_KV_DTYPES: Final = ("bfloat16", "float16", "float32")
+
 
 @dataclass(frozen=True)
 class ControllerPorts:

@@ -16,7 +16,11 @@ from typing import Any
 import torch
 from lmcache.v1.config import LMCacheEngineConfig
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from kvpool.protocol.domain import REFERENCE_ENGINE_KV_DTYPES
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in REFERENCE_ENGINE_KV_DTYPES
+}
 
 
 class OffloadConfigError(ValueError):
