@@ -9,6 +9,7 @@ instance and why; a stack trace never reaches a client (it goes to the log).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,20 +70,28 @@ def upstream_error(status: int, message: str, code: str) -> GatewayError:
     return GatewayError(message, status=status, type_=kind, code=code)
 
 
-def validation_body(exc: RequestValidationError) -> dict[str, Any]:
-    """The first problem of a pydantic validation error, naming its field."""
-    errors = exc.errors()
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _type_tag(part: object) -> bool:
+    """A union member's name in a validation error's location (``prompt.str``), not a field."""
+    text = str(part)
+    return text in _TYPE_TAGS or "[" in text or "-" in text
+
+
+def validation_error(errors: Sequence[Any]) -> GatewayError:
+    """A 400 naming the first problem's field (pydantic's ``errors()``)."""
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
-        return error_body("the request body is not valid JSON", code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        return bad_request("the request body is not valid JSON", code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _type_tag(p)]
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid request"))
     if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
         msg = "the request body must be a JSON object"
     where = f"{param}: " if param else ""
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return error_body(f"{where}{msg}{more}", param=param, code="invalid_value")
+    return bad_request(f"{where}{msg}{more}", param)
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -94,7 +103,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(validation_body(exc), status_code=400)
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

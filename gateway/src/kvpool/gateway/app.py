@@ -1,0 +1,37 @@
+"""The gateway's ASGI app: its routers, error handlers and lifespan around one state.
+
+Why this module exists: ``build_app`` is the one place that assembles the app from the
+router modules (``api_openai``, ``api_memory``, ``api_ops``); the CLI and the tests build it
+the same way from a :class:`GatewayState`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from kvpool.gateway import api_memory, api_openai, api_ops
+from kvpool.gateway.errors import install_handlers
+from kvpool.gateway.state import GatewayState
+
+
+def build_app(state: GatewayState) -> FastAPI:
+    """The app for ``state``; its background loops run for the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="kvpool gateway", lifespan=lifespan)
+    app.state.gateway = state
+    install_handlers(app)
+    app.include_router(api_ops.router)
+    app.include_router(api_openai.router)
+    app.include_router(api_memory.router)
+    return app

@@ -1,0 +1,118 @@
+"""``kvpool-gateway``: serve the gateway, or print a prompt's tokens and chunk hashes.
+
+Why this module exists: the operator renders exactly ``kvpool-gateway serve --host H --port P
+--config /etc/kvpool/gateway/gateway.yaml`` (operator/src/kvpool/operator/render/pool_objects.py)
+with ``KVPOOL_GATEWAY_AUTH_TOKEN`` and the domain's ``PYTHONHASHSEED`` in the environment; this
+parser accepts exactly that, refuses a bad config with a message naming the key (exit 2, no
+traceback), and runs uvicorn with uvloop and httptools.
+
+    kvpool-gateway serve --config gateway.yaml [--host 127.0.0.1] [--port 8000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import uvicorn
+
+from kvpool.gateway.app import build_app
+from kvpool.gateway.config import ConfigError, GatewayConfig, GatewayEnv, load_config
+from kvpool.gateway.state import build_state
+
+EXIT_REFUSED = 2
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str
+    port: int
+    log_level: str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool-gateway", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible KV-affinity gateway")
+    serve.add_argument("--config", required=True, help="the rendered gateway.yaml")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_extra_commands(sub)
+    return parser
+
+
+def _add_extra_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Other subcommands (``hashes``) registered by their modules when present."""
+    try:
+        module = importlib.import_module("kvpool.gateway.hashes_cli")
+    except ModuleNotFoundError:
+        return
+    module.add_parser(sub)
+
+
+def settings_from_args(argv: Sequence[str]) -> tuple[GatewayConfig, ServeOptions]:
+    """Parse ``serve`` arguments (without the program name) and load the config."""
+    args = build_parser().parse_args(list(argv))
+    if args.command != "serve":
+        raise ConfigError(f"settings_from_args takes 'serve' arguments, got {args.command!r}")
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port: {args.port} is not a TCP port (1..65535)")
+    config = load_config(args.config)
+    return config, ServeOptions(args.host, args.port, args.log_level)
+
+
+def serve(config: GatewayConfig, options: ServeOptions) -> int:
+    env = GatewayEnv()
+    state = build_state(config, env, pd_bind_host=options.host)
+    app = build_app(state)
+    logging.getLogger(__name__).info(
+        "kvpool-gateway serving %s on %s:%d (%s)",
+        config.model,
+        options.host,
+        options.port,
+        "API keys required" if state.api_keys else "no auth",
+    )
+    uvicorn.run(
+        app,
+        host=options.host,
+        port=options.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=options.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call: noise
+    if args.command != "serve":
+        handler = getattr(args, "handler", None)
+        return int(handler(args)) if handler is not None else EXIT_REFUSED
+    try:
+        config, options = settings_from_args(argv)
+    except ConfigError as exc:
+        print(f"kvpool-gateway: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    try:
+        return serve(config, options)
+    except OSError as exc:
+        print(f"kvpool-gateway: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

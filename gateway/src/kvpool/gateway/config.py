@@ -1,0 +1,159 @@
+"""The gateway's configuration: exactly the ``gateway.yaml`` the operator renders, plus the
+environment and flags of its container.
+
+Why this module exists: the operator's render (``_gateway_config`` in
+operator/src/kvpool/operator/render/pool_objects.py) and this model are one contract. Unknown
+keys are refused (``extra="forbid"``), so a key the render adds without the gateway honouring
+it fails the render-runs-verbatim test instead of being ignored in production. Keys the render
+does not write (limits, guards, tokenizer) have defaults and may be set by hand.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic.alias_generators import to_camel
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ConfigError(Exception):
+    """The configuration is wrong; the message names the file, the key and the fix."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
+    )
+
+
+class RoutingWeights(_Model):
+    prefix_hit: float = Field(1.0, ge=0)
+    load: float = Field(0.5, ge=0)
+
+
+class Routing(_Model):
+    policy: Literal["kv-aware", "session", "least-load", "round-robin"] = "kv-aware"
+    weights: RoutingWeights = RoutingWeights()
+
+
+class InstanceRef(_Model):
+    name: str = Field(min_length=1)
+    url: str = Field(pattern=r"^https?://")
+
+
+class P2PGroupConfig(_Model):
+    name: str
+    instances: list[InstanceRef]
+
+
+class DecodeRef(InstanceRef):
+    host: str
+    init_ports: list[int]
+    alloc_ports: list[int]
+
+
+class PDPairConfig(_Model):
+    name: str
+    mode: Literal["push", "pull-eager", "pull-delay", "cpu-offload-pull-delay"]
+    proxy_port: int = Field(ge=1, le=65535)
+    prefill: list[InstanceRef] = Field(min_length=1)
+    decode: list[DecodeRef] = Field(min_length=1)
+
+
+class Guards(_Model):
+    """Routing guards (see routing.Guards and load.PendingPrefixes)."""
+
+    imbalance_abs: int = Field(8, ge=0)
+    imbalance_ratio: float = Field(1.5, ge=1.0)
+    pending_ttl_seconds: float = Field(2.0, ge=0)
+
+
+class RateLimit(_Model):
+    requests_per_second: float = Field(gt=0)
+    burst: float = Field(gt=0)
+
+
+class Limits(_Model):
+    """Admission, size and time limits: every call the gateway makes is bounded."""
+
+    max_inflight: int = Field(256, ge=1, description="requests sent upstream at once")
+    max_queue: int = Field(256, ge=0, description="requests waiting for a slot; more → 429")
+    queue_timeout_seconds: float = Field(10.0, gt=0)
+    max_body_bytes: int = Field(4 * 2**20, ge=1024)
+    connect_timeout_seconds: float = Field(2.0, gt=0)
+    upstream_timeout_seconds: float = Field(300.0, gt=0, description="first byte, then each")
+    retries: int = Field(2, ge=0, le=10)
+    health_interval_seconds: float = Field(2.0, gt=0)
+    pd_transfer_timeout_seconds: float = Field(30.0, gt=0)
+    rate_limit: RateLimit | None = None
+    sessions: int = Field(65_536, ge=1, description="session ids remembered (LRU)")
+
+
+class GatewayConfig(_Model):
+    """``gateway.yaml`` as rendered by the operator."""
+
+    model: str
+    chunk_size: int = Field(gt=0)
+    hash_algorithm: Literal["builtin", "sha256_cbor"] = "builtin"
+    vllm: bool = Field(False, description="the engines import vLLM (seeds LMCache's NONE_HASH)")
+    controller_url: str = Field(pattern=r"^https?://")
+    controller_pub_url: str | None = Field(None, pattern=r"^tcp://")
+    controller_snapshot_url: str | None = Field(None, pattern=r"^tcp://")
+    routing: Routing = Routing()
+    p2p_groups: list[P2PGroupConfig] = Field(default_factory=list, alias="p2pGroups")
+    pd_pairs: list[PDPairConfig] = Field(default_factory=list)
+    tokenizer: str | None = None
+    guards: Guards = Guards()
+    limits: Limits = Limits()
+
+    def peer_instances(self) -> list[InstanceRef]:
+        return [inst for group in self.p2p_groups for inst in group.instances]
+
+
+class GatewayEnv(BaseSettings):
+    """The container's environment (the operator renders KVPOOL_GATEWAY_AUTH_TOKEN from the
+    pool's spec.gateway.authSecretRef: one API key, or several separated by commas or
+    newlines)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVPOOL_GATEWAY_", extra="ignore")
+
+    auth_token: SecretStr | None = None
+    hash_seed: str | None = Field(None, validation_alias="PYTHONHASHSEED")
+
+    def api_keys(self) -> frozenset[str]:
+        if self.auth_token is None:
+            return frozenset()
+        raw = self.auth_token.get_secret_value().replace("\n", ",")
+        return frozenset(k.strip() for k in raw.split(",") if k.strip())
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+def parse_config(data: Any, source: str = "gateway.yaml") -> GatewayConfig:
+    """Validate loaded YAML; every problem is reported with its key path."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {data!r:.60}")
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = [f"{_where(e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError(f"{source}: " + "; ".join(problems)) from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate ``gateway.yaml``."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read the gateway config {p}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    return parse_config(data, str(p))

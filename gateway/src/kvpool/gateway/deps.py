@@ -1,0 +1,112 @@
+"""FastAPI dependencies: the shared state, API-key auth and rate limit, the bounded body.
+
+Why this module exists: every API route needs the same three checks before any work — who
+is calling (a key from the operator-rendered Secret, when one is configured), whether that
+key is over its rate, and a body that is JSON, an object and not larger than the limit.
+Written once here and declared on the routers, instead of repeated in each handler.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import time
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, Request
+from pydantic import BaseModel, ValidationError
+
+from kvpool.gateway.errors import GatewayError, bad_request, validation_error
+from kvpool.gateway.state import GatewayState
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def get_state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key")
+
+
+StateDep = Annotated[GatewayState, Depends(get_state)]
+
+
+async def authorize(request: Request, state: StateDep) -> str:
+    """The caller's API key ("" when auth is off); 401 without a valid one, 429 over rate."""
+    key = ""
+    if state.api_keys:
+        given = _bearer(request)
+        if given is None or not any(hmac.compare_digest(given, k) for k in state.api_keys):
+            state.metrics.rejections.labels("unauthorized").inc()
+            raise GatewayError(
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                status=401,
+                type_="authentication_error",
+                code="invalid_api_key",
+            )
+        key = given
+    if state.buckets is not None:
+        who = key or (request.client.host if request.client else "anonymous")
+        wait = state.buckets.take(who, time.monotonic())
+        if wait > 0:
+            state.metrics.rejections.labels("rate_limited").inc()
+            raise GatewayError(
+                "rate limit exceeded for this API key; retry later",
+                status=429,
+                type_="rate_limit_error",
+                code="rate_limited",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
+    return key
+
+
+async def read_json(request: Request, state: StateDep) -> dict[str, Any]:
+    """The body as a JSON object, at most ``limits.maxBodyBytes`` (413 beyond)."""
+    limit = state.config.limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        state.metrics.rejections.labels("too_large").inc()
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            state.metrics.rejections.labels("too_large").inc()
+            raise _too_large(limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("the request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+BodyDep = Annotated[dict[str, Any], Depends(read_json)]
+
+
+def _too_large(limit: int) -> GatewayError:
+    return GatewayError(
+        f"the request body is larger than {limit} bytes", status=413, code="body_too_large"
+    )
+
+
+def parse(model: type[M], data: dict[str, Any]) -> M:
+    """Validate ``data``; a 400 naming the first bad field otherwise."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None

@@ -1,0 +1,131 @@
+"""The instances the gateway may send to: where they are, whether they are ready, and
+their circuit breakers; plus the loop that probes their readiness.
+
+Why this module exists: the rendered config lists every instance of the pool, but a pod that
+is starting, draining or dead must not be routed to. The gateway asks each instance's
+``/readyz`` every few seconds (the same probe the kubelet uses) and keeps one circuit
+breaker per instance that request failures open; the router only sees instances that are
+ready and whose breaker lets a request through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import httpx
+
+from kvpool.gateway.config import GatewayConfig
+from kvpool.gateway.metrics import GatewayMetrics
+from kvpool.gateway.reliability import CircuitBreaker
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["peer", "prefill", "decode"]
+
+
+@dataclass
+class Instance:
+    """One engine instance (its HTTP base URL) and what the gateway knows of its health."""
+
+    name: str
+    url: str
+    role: Role
+    group: str
+    ready: bool = False
+    last_error: str | None = None
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    def available(self, now: float) -> bool:
+        return self.ready and self.breaker.available(now)
+
+
+class InstanceSet:
+    """Every configured instance by name."""
+
+    def __init__(self, instances: Iterable[Instance], clock: Callable[[], float] = time.monotonic):
+        self.by_name: dict[str, Instance] = {}
+        for inst in instances:
+            if inst.name in self.by_name:
+                raise ValueError(f"instance {inst.name!r} is listed twice in the gateway config")
+            self.by_name[inst.name] = inst
+        self.clock = clock
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> InstanceSet:
+        out: list[Instance] = []
+        for group in config.p2p_groups:
+            out += [
+                Instance(i.name, i.url.rstrip("/"), "peer", group.name) for i in group.instances
+            ]
+        for pair in config.pd_pairs:
+            out += [Instance(i.name, i.url.rstrip("/"), "prefill", pair.name) for i in pair.prefill]
+            out += [Instance(i.name, i.url.rstrip("/"), "decode", pair.name) for i in pair.decode]
+        return cls(out)
+
+    def __iter__(self) -> Iterator[Instance]:
+        return iter(self.by_name.values())
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+    def get(self, name: str) -> Instance | None:
+        return self.by_name.get(name)
+
+    def peers(self) -> list[Instance]:
+        return [i for i in self.by_name.values() if i.role == "peer"]
+
+    def of_group(self, group: str, role: Role) -> list[Instance]:
+        return [i for i in self.by_name.values() if i.group == group and i.role == role]
+
+    def available(self, instances: Iterable[Instance]) -> list[Instance]:
+        now = self.clock()
+        return [i for i in instances if i.available(now)]
+
+    def any_ready(self) -> bool:
+        return any(i.ready for i in self.by_name.values())
+
+
+async def probe(client: httpx.AsyncClient, inst: Instance, timeout_s: float) -> bool:
+    """One readiness probe: 200 from ``/readyz``."""
+    try:
+        resp = await client.get(f"{inst.url}/readyz", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        inst.last_error = f"{type(exc).__name__}: {exc}"
+        return False
+    if resp.status_code != 200:
+        inst.last_error = f"/readyz answered {resp.status_code}"
+        return False
+    inst.last_error = None
+    return True
+
+
+async def probe_all(
+    client: httpx.AsyncClient, instances: InstanceSet, metrics: GatewayMetrics, timeout_s: float
+) -> None:
+    """Probe every instance concurrently and record the result."""
+    insts = list(instances)
+    results = await asyncio.gather(*(probe(client, i, timeout_s) for i in insts))
+    for inst, ok in zip(insts, results, strict=True):
+        if ok != inst.ready:
+            logger.info(
+                "instance %s is %s%s",
+                inst.name,
+                "ready" if ok else "not ready",
+                f" ({inst.last_error})" if inst.last_error else "",
+            )
+        inst.ready = ok
+        metrics.instance_ready.labels(inst.name).set(1 if ok else 0)
+
+
+async def health_loop(
+    client: httpx.AsyncClient, instances: InstanceSet, metrics: GatewayMetrics, interval_s: float
+) -> None:
+    """Probe forever, every ``interval_s``."""
+    while True:
+        await probe_all(client, instances, metrics, min(interval_s, 2.0))
+        await asyncio.sleep(interval_s)

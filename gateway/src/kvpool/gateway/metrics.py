@@ -1,0 +1,86 @@
+"""Prometheus metrics of the gateway, in a registry of its own (one per app).
+
+Why this module exists: the questions an operator asks of a router — how many requests, why
+each went where it went, how many prompt tokens it expected to be cached, how slow each
+instance answers (latency and time to first token), how often it retried and refused — each
+have one metric here, named ``kvpool_gateway_*``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvpool_gateway_requests", "Requests answered", ["endpoint", "status"], registry=r
+        )
+        self.decisions = Counter(
+            "kvpool_gateway_routing_decisions",
+            "Routing decisions by policy reason and chosen instance",
+            ["reason", "instance"],
+            registry=r,
+        )
+        self.predicted_hit_tokens = Counter(
+            "kvpool_gateway_predicted_hit_tokens",
+            "Prompt tokens the router expected the chosen instance to hold",
+            ["instance"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvpool_gateway_prompt_tokens", "Prompt tokens routed", ["instance"], registry=r
+        )
+        self.upstream_latency = Histogram(
+            "kvpool_gateway_upstream_latency_seconds",
+            "Upstream request duration (to last byte)",
+            ["instance"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvpool_gateway_upstream_ttft_seconds",
+            "Upstream time to first byte of the answer",
+            ["instance"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvpool_gateway_retries", "Requests re-sent to another attempt", ["reason"], registry=r
+        )
+        self.rejections = Counter(
+            "kvpool_gateway_rejections", "Requests refused by the gateway", ["reason"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "kvpool_gateway_upstream_errors", "Upstream failures", ["instance", "kind"], registry=r
+        )
+        self.inflight = Gauge(
+            "kvpool_gateway_inflight", "Requests in flight upstream", ["instance"], registry=r
+        )
+        self.queued = Gauge("kvpool_gateway_queued", "Requests waiting for a slot", registry=r)
+        self.index_in_sync = Gauge(
+            "kvpool_gateway_index_in_sync", "1 while the index replica is current", registry=r
+        )
+        self.index_resyncs = Counter(
+            "kvpool_gateway_index_resyncs", "Snapshots loaded", ["reason"], registry=r
+        )
+        self.index_deltas = Counter(
+            "kvpool_gateway_index_deltas", "Index deltas applied", registry=r
+        )
+        self.instance_ready = Gauge(
+            "kvpool_gateway_instance_ready",
+            "1 while an instance answers /readyz",
+            ["instance"],
+            registry=r,
+        )
+        self.pd_transfers = Counter(
+            "kvpool_gateway_pd_requests", "PD requests by outcome", ["pair", "outcome"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

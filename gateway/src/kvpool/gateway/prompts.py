@@ -1,0 +1,103 @@
+"""A request's prompt as token ids and chained chunk hashes — what the router routes on.
+
+Why this module exists: KV affinity needs the exact token ids the engine will prefill and
+LMCache's chunk hashes of them. Completions may already carry token ids; text prompts and chat
+messages are tokenized (and chat rendered with the model's template) by kvpool.protocol's
+tokenizer, the same code the worker runs, so the ids and therefore the hashes are the
+engine's. When the gateway has no tokenizer file it asks one ready instance's ``/tokenize``
+(one extra round trip, same ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import httpx
+
+from kvpool.gateway.config import GatewayConfig
+from kvpool.gateway.errors import GatewayError, bad_request, upstream_error
+from kvpool.gateway.instances import InstanceSet
+from kvpool.gateway.models import ChatBody, CompletionBody
+
+TOKENIZE_TIMEOUT_S = 5.0
+
+
+class Encoder(Protocol):
+    """Token ids of a completion prompt or of rendered chat messages."""
+
+    async def completion(self, prompt: str) -> list[int]: ...
+
+    async def chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> list[int]: ...
+
+
+class RemoteEncoder:
+    """Tokenizes on a ready instance (``POST /tokenize``, the worker's own tokenizer)."""
+
+    def __init__(self, instances: InstanceSet, http: httpx.AsyncClient) -> None:
+        self.instances = instances
+        self.http = http
+
+    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
+        ready = self.instances.available(self.instances)
+        if not ready:
+            raise upstream_error(
+                503, "no instance is ready to tokenize the prompt", "no_instance_available"
+            )
+        last = ""
+        for inst in sorted(ready, key=lambda i: i.name)[:2]:
+            try:
+                resp = await self.http.post(
+                    f"{inst.url}/tokenize", json=body, timeout=TOKENIZE_TIMEOUT_S
+                )
+            except httpx.HTTPError as exc:
+                last = f"{inst.name}: {type(exc).__name__}"
+                continue
+            if resp.status_code == 400:
+                err = resp.json().get("error", {})
+                raise GatewayError(str(err.get("message", "bad prompt")), param=err.get("param"))
+            if resp.status_code == 200:
+                return [int(t) for t in resp.json()["tokens"]]
+            last = f"{inst.name}: HTTP {resp.status_code}"
+        raise upstream_error(502, f"tokenization failed ({last})", "tokenize_failed")
+
+    async def completion(self, prompt: str) -> list[int]:
+        return await self._tokenize({"prompt": prompt})
+
+    async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        return await self._tokenize(
+            {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        )
+
+
+def encoder_for(config: GatewayConfig, instances: InstanceSet, http: httpx.AsyncClient) -> Encoder:
+    """The encoder the gateway uses for ``config``."""
+    return RemoteEncoder(instances, http)
+
+
+async def completion_tokens(encoder: Encoder, body: CompletionBody) -> list[int]:
+    """One prompt: text, token ids, or a batch of exactly one of either."""
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return await encoder.completion(prompt)
+    ids = [int(t) for t in prompt]
+    if any(t < 0 for t in ids):
+        raise bad_request("prompt: token ids must be non-negative", "prompt")
+    return ids
+
+
+async def chat_tokens(encoder: Encoder, body: ChatBody) -> list[int]:
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    except ValueError as exc:
+        raise bad_request(f"messages: {exc}", "messages") from exc
+    return await encoder.chat(messages, body.add_generation_prompt)
+
+
+def check_tokens(tokens: Sequence[int], param: str) -> None:
+    if not tokens:
+        raise bad_request(f"{param}: the prompt is empty; send at least one token", param)

@@ -1,0 +1,233 @@
+"""Forwarding one request upstream: retries before the first byte, streaming after it.
+
+Why this module exists: the hard part of a reverse proxy is the moment it commits. Until
+the first byte of an answer has been forwarded, a failed attempt (connect error, 503 from a
+draining worker, a connection cut before any byte) may go to another instance after a short
+backoff; after it, the client owns a partial answer and a failure can only be reported in
+the stream. Every call has a timeout; the first byte is forwarded at once; a client that
+disconnects closes the upstream response, which cancels the request on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from kvpool.gateway.errors import GatewayError, error_body, upstream_error
+from kvpool.gateway.instances import Instance
+from kvpool.gateway.load import LoadTracker, Ticket
+from kvpool.gateway.metrics import GatewayMetrics
+from kvpool.gateway.reliability import backoff_s
+
+logger = logging.getLogger(__name__)
+
+#: Upstream statuses worth another instance (the worker is starting or draining).
+RETRYABLE_STATUS = frozenset({503})
+_HOP_HEADERS = frozenset(
+    {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+)
+
+
+@dataclass
+class Attempt:
+    """Where one attempt goes: the instance and its load ticket."""
+
+    instance: Instance
+    ticket: Ticket
+    reason: str = ""
+    predicted_hit_tokens: int = 0
+
+
+#: Picks the instance for attempt ``n`` (0-based), never one in ``exclude``.
+Chooser = Callable[[int, set[str]], Awaitable[Attempt]]
+
+
+class _RetryableError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class Proxy:
+    """Sends requests to instances with the retry and streaming rules above."""
+
+    client: httpx.AsyncClient
+    load: LoadTracker
+    metrics: GatewayMetrics
+    retries: int
+    upstream_timeout_s: float
+    clock: Callable[[], float] = time.monotonic
+
+    async def _open(
+        self, attempt: Attempt, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[httpx.Response, bytes, AsyncIterator[bytes]]:
+        """Send and read the answer's status and first chunk; classify failures."""
+        inst = attempt.instance
+        request = self.client.build_request("POST", f"{inst.url}{path}", json=body, headers=headers)
+        try:
+            resp = await self.client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+            raise _RetryableError("connect", f"{inst.name}: {type(exc).__name__}: {exc}") from exc
+        except httpx.TimeoutException as exc:
+            raise upstream_error(
+                504, f"{inst.name} did not answer within {self.upstream_timeout_s:g}s", "timeout"
+            ) from exc
+        if resp.status_code in RETRYABLE_STATUS:
+            text = (await resp.aread())[:500].decode(errors="replace")
+            await resp.aclose()
+            raise _RetryableError(f"status_{resp.status_code}", f"{inst.name}: {text}")
+        chunks = resp.aiter_raw()
+        try:
+            first = await anext(chunks, b"")
+        except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
+            await resp.aclose()
+            raise _RetryableError("cut", f"{inst.name} closed before answering: {exc}") from exc
+        except httpx.TimeoutException as exc:
+            await resp.aclose()
+            raise upstream_error(
+                504, f"{inst.name} sent no byte within {self.upstream_timeout_s:g}s", "timeout"
+            ) from exc
+        return resp, first, chunks
+
+    async def forward(
+        self,
+        choose: Chooser,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        on_done: Callable[[], None],
+        endpoint: str,
+    ) -> Response:
+        """Forward ``body`` to ``path`` on the chosen instance; ``on_done`` runs exactly once
+        when the answer has been fully sent (or failed), also for a disconnected client."""
+        failed: set[str] = set()
+        last: _RetryableError | None = None
+        try:
+            for n in range(self.retries + 1):
+                try:
+                    attempt = await choose(n, failed)
+                except GatewayError:
+                    if last is None:
+                        raise
+                    break  # every candidate failed already: report the last failure
+                inst = attempt.instance
+                if not inst.breaker.acquire(self.clock()):
+                    failed.add(inst.name)
+                    self.load.finish(attempt.ticket)
+                    continue
+                t0 = self.clock()
+                try:
+                    resp, first, chunks = await self._open(attempt, path, body, headers)
+                except _RetryableError as exc:
+                    inst.breaker.failure(self.clock())
+                    self.load.finish(attempt.ticket)
+                    self.metrics.upstream_errors.labels(inst.name, exc.kind).inc()
+                    logger.warning("attempt %d on %s failed: %s", n + 1, inst.name, exc)
+                    failed.add(inst.name)
+                    last = exc
+                    if n < self.retries:
+                        self.metrics.retries.labels(exc.kind).inc()
+                        await asyncio.sleep(backoff_s(n + 1))
+                    continue
+                except BaseException:
+                    inst.breaker.failure(self.clock())
+                    self.load.finish(attempt.ticket)
+                    raise
+                inst.breaker.success()
+                ttft = self.load.first_byte(attempt.ticket, self.clock())
+                self.metrics.ttft.labels(inst.name).observe(ttft)
+                response = await self._respond(attempt, resp, first, chunks, t0, on_done, endpoint)
+                on_done = _noop  # the response owns it now
+                return response
+        finally:
+            on_done()
+        what = f" (last: {last})" if last else ""
+        if last is not None and last.kind.startswith("status_"):
+            raise upstream_error(503, f"every instance tried is unavailable{what}", "unavailable")
+        raise upstream_error(502, f"no instance could be reached{what}", "upstream_unreachable")
+
+    async def _respond(
+        self,
+        attempt: Attempt,
+        resp: httpx.Response,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+        t0: float,
+        on_done: Callable[[], None],
+        endpoint: str,
+    ) -> Response:
+        inst = attempt.instance
+        headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers["x-kvpool-instance"] = inst.name
+        headers["x-kvpool-route-reason"] = attempt.reason
+        headers["x-kvpool-predicted-hit-tokens"] = str(attempt.predicted_hit_tokens)
+        status = resp.status_code
+        if status >= 500:
+            # The worker's own 5xx (not 503): report as a bad gateway, with its message.
+            self.metrics.upstream_errors.labels(inst.name, f"status_{status}").inc()
+
+        def finish(outcome: str) -> None:
+            self.load.finish(attempt.ticket)
+            self.metrics.upstream_latency.labels(inst.name).observe(self.clock() - t0)
+            self.metrics.requests.labels(endpoint, outcome).inc()
+            on_done()
+
+        async def body() -> AsyncIterator[bytes]:
+            outcome = str(status)
+            try:
+                if first:
+                    yield first
+                async for chunk in chunks:
+                    yield chunk
+            except httpx.HTTPError as exc:
+                outcome = "cut"
+                inst.breaker.failure(self.clock())
+                self.metrics.upstream_errors.labels(inst.name, "cut").inc()
+                logger.warning("%s failed mid-answer: %s", inst.name, exc)
+                err = error_body(
+                    f"instance {inst.name} failed mid-answer: {type(exc).__name__}",
+                    type_="bad_gateway",
+                    code="upstream_cut",
+                )
+                yield f"data: {json.dumps(err)}\n\n".encode()
+            except BaseException:
+                outcome = "client_gone"
+                raise
+            finally:
+                await resp.aclose()
+                finish(outcome)
+
+        media = resp.headers.get("content-type", "application/json")
+        if status >= 500:
+            await resp.aclose()
+            finish(str(status))
+            return _bad_gateway(inst.name, status, first)
+        return StreamingResponse(body(), status_code=status, headers=headers, media_type=media)
+
+
+def _noop() -> None:
+    return None
+
+
+def _bad_gateway(name: str, status: int, first: bytes) -> Response:
+    """A worker error (5xx other than 503) as a 502 naming the instance and its message."""
+    try:
+        detail = json.loads(first.decode(errors="replace")).get("error", {}).get("message", "")
+    except (ValueError, AttributeError):
+        detail = first[:200].decode(errors="replace")
+    err = GatewayError(
+        f"instance {name} failed with {status}: {detail}",
+        status=502,
+        type_="bad_gateway",
+        code="upstream_error",
+    )
+    return err.response()

@@ -1,0 +1,101 @@
+"""From a prompt to a chosen instance: index lookup, pending prefixes, load, the policy.
+
+Why this module exists: the routing core (``routing``) is pure and knows nothing of where
+hits and loads come from. This glue gathers them for one request — the index client's
+per-instance hits, the optimistic entries of requests routed moments ago, the load tracker —
+builds the candidates among the instances that are ready and not cut off by their breaker,
+asks the router, and records the decision (pending entries, load ticket, metrics).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvpool.gateway.errors import upstream_error
+from kvpool.gateway.index_client import IndexClient
+from kvpool.gateway.instances import Instance, InstanceSet
+from kvpool.gateway.load import LoadTracker, PendingPrefixes, merge_pending
+from kvpool.gateway.metrics import GatewayMetrics
+from kvpool.gateway.proxy import Attempt
+from kvpool.gateway.routing import Candidate, Decision, PrefixHit, Router, RouteRequest
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A request's routing facts: token count, chained chunk hashes, session."""
+
+    tokens: int
+    hashes: tuple[int, ...]
+    session: str | None
+
+
+@dataclass
+class Selector:
+    """Chooses instances for requests (and records what it chose)."""
+
+    instances: InstanceSet
+    index: IndexClient
+    router: Router
+    load: LoadTracker
+    pending: PendingPrefixes
+    metrics: GatewayMetrics
+    chunk_size: int
+    clock: Callable[[], float] = time.monotonic
+
+    async def hits(self, prompt: Prompt) -> dict[str, PrefixHit] | None:
+        return await self.index.prefix_hits(prompt.hashes)
+
+    def candidates(
+        self,
+        pool: Sequence[Instance],
+        prompt: Prompt,
+        hits: dict[str, PrefixHit] | None,
+        exclude: set[str],
+    ) -> list[Candidate]:
+        now = self.clock()
+        out: list[Candidate] = []
+        for inst in self.instances.available(pool):
+            if inst.name in exclude:
+                continue
+            indexed = (hits or {}).get(inst.name)
+            pending = self.pending.hit(inst.name, prompt.hashes, now)
+            out.append(
+                Candidate(inst.name, self.load.load(inst.name), merge_pending(indexed, pending))
+            )
+        return out
+
+    async def choose(
+        self, pool: Sequence[Instance], prompt: Prompt, exclude: set[str], role: str = "serve"
+    ) -> tuple[Instance, Decision]:
+        """The instance for this attempt; 503 when none of ``pool`` can take it."""
+        hits = await self.hits(prompt)
+        cands = self.candidates(pool, prompt, hits, exclude)
+        if not cands:
+            self.metrics.rejections.labels("no_instance").inc()
+            names = ", ".join(i.name for i in pool) or "none configured"
+            raise upstream_error(
+                503,
+                f"no instance is ready to {role} this request (instances: {names}); retry shortly",
+                "no_instance_available",
+            )
+        request = RouteRequest(prompt.tokens, self.chunk_size, prompt.session)
+        decision = self.router.route(request, cands, index_ok=hits is not None)
+        inst = self.instances.by_name[decision.instance]
+        self.metrics.decisions.labels(decision.reason, inst.name).inc()
+        self.metrics.predicted_hit_tokens.labels(inst.name).inc(decision.predicted_hit_tokens)
+        self.metrics.prompt_tokens.labels(inst.name).inc(prompt.tokens)
+        self.pending.record(inst.name, prompt.hashes, self.clock())
+        return inst, decision
+
+    def admit(self, inst: Instance, prompt: Prompt, decision: Decision) -> Attempt:
+        """Count the request against ``inst`` (uncached prompt tokens are queued prefill)."""
+        queued = max(0, prompt.tokens - decision.predicted_hit_tokens)
+        ticket = self.load.start(inst.name, queued, self.clock())
+        self.metrics.inflight.labels(inst.name).set(self.load.load(inst.name).inflight)
+        return Attempt(inst, ticket, decision.reason, decision.predicted_hit_tokens)
+
+    async def attempt(self, pool: Sequence[Instance], prompt: Prompt, exclude: set[str]) -> Attempt:
+        inst, decision = await self.choose(pool, prompt, exclude)
+        return self.admit(inst, prompt, decision)

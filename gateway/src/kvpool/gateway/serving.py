@@ -1,0 +1,103 @@
+"""One OpenAI request from body to answer: tokens, hashes, route, admission, forward.
+
+Why this module exists: completions and chat differ only in how the prompt becomes token
+ids; everything after (session, chunk hashes, PD or peer pool, admission, retries, the
+session memory) is the same, and lives here once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvpool.gateway.admission import once
+from kvpool.gateway.errors import GatewayError
+from kvpool.gateway.instances import Instance
+from kvpool.gateway.models import session_of
+from kvpool.gateway.pd_flow import serve_pd
+from kvpool.gateway.proxy import Attempt
+from kvpool.gateway.selection import Prompt
+from kvpool.gateway.state import GatewayState
+
+SESSION_HEADER = "x-session-id"
+PD_HEADER = "x-kvpool-pd"
+PIN_HEADER = "x-kvpool-instance"
+
+
+def pd_pair_for(state: GatewayState, request: Request) -> str | None:
+    """The PD pair to use: named by ``x-kvpool-pd`` (a pair name or ``any``), or the only
+    way to serve when the pool has no peer instances."""
+    pairs = state.pd.pairs
+    wanted = request.headers.get(PD_HEADER)
+    if wanted:
+        if wanted == "any" and pairs:
+            return min(pairs)
+        if wanted in pairs:
+            return wanted
+        raise GatewayError(
+            f"{PD_HEADER}: no ready PD pair named {wanted!r} (ready: "
+            f"{', '.join(sorted(pairs)) or 'none'})",
+            status=400,
+            param=PD_HEADER,
+            code="unknown_pd_pair",
+        )
+    if pairs and not state.instances.peers():
+        return min(pairs)
+    return None
+
+
+def pinned_instance(state: GatewayState, request: Request) -> Instance | None:
+    """The instance named by ``x-kvpool-instance`` (moves a session on purpose), if any."""
+    name = request.headers.get(PIN_HEADER)
+    if not name:
+        return None
+    inst = state.instances.get(name)
+    if inst is None:
+        raise GatewayError(
+            f"{PIN_HEADER}: no instance named {name!r} (known: "
+            f"{', '.join(sorted(state.instances.by_name))})",
+            status=400,
+            param=PIN_HEADER,
+            code="unknown_instance",
+        )
+    return inst
+
+
+async def serve(
+    state: GatewayState,
+    request: Request,
+    endpoint: str,
+    data: dict[str, Any],
+    tokens: list[int],
+    user: str | None,
+    max_tokens: int | None,
+) -> Response:
+    """Route and forward one completion or chat request."""
+    session = session_of(request.headers.get(SESSION_HEADER), user)
+    prompt = Prompt(len(tokens), tuple(state.hasher(tokens)), session)
+    pair = pd_pair_for(state, request)
+    headers = {SESSION_HEADER: session} if session else {}
+    await state.admission.acquire()
+    if pair is not None:
+        release = once(state.admission.release)
+        try:
+            return await serve_pd(state, pair, endpoint, data, tokens, prompt, max_tokens, release)
+        except BaseException:
+            release()
+            raise
+    pinned = pinned_instance(state, request)
+    pool = [pinned] if pinned is not None else state.instances.peers()
+
+    async def choose(n: int, exclude: set[str]) -> Attempt:
+        attempt = await state.selector.attempt(pool, prompt, exclude)
+        if pinned is not None:
+            attempt.reason = "pinned"
+        if session:
+            state.sessions.remember(session, tokens, attempt.instance.name)
+        return attempt
+
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    release = once(state.admission.release)
+    return await state.proxy.forward(choose, path, data, headers, release, endpoint)

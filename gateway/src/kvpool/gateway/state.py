@@ -1,0 +1,173 @@
+"""The gateway's state, built once per process from its configuration.
+
+Why this module exists: every route needs the same handful of long-lived objects — the
+HTTP client pool, the instances and their breakers, the index client, the router, the load
+tracker, admission control, the session memory, the PD coordinator. :func:`build_state`
+wires them from a :class:`GatewayConfig`; routes receive the result through a FastAPI
+dependency (``deps.get_state``) instead of closing over locals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvpool.gateway.admission import Admission
+from kvpool.gateway.config import GatewayConfig, GatewayEnv
+from kvpool.gateway.index_client import IndexClient
+from kvpool.gateway.instances import InstanceSet, health_loop, probe_all
+from kvpool.gateway.load import LoadTracker, PendingPrefixes
+from kvpool.gateway.memory import SessionMemory
+from kvpool.gateway.metrics import GatewayMetrics
+from kvpool.gateway.pd import PDCoordinator
+from kvpool.gateway.prompts import Encoder, encoder_for
+from kvpool.gateway.proxy import Proxy
+from kvpool.gateway.reliability import KeyedBuckets
+from kvpool.gateway.routing import Guards, Router, make_policy
+from kvpool.gateway.selection import Selector
+from kvpool.protocol.hashing import HashConfig, chunk_hashes
+
+logger = logging.getLogger(__name__)
+
+Hasher = Callable[[Sequence[int]], list[int]]
+
+
+@dataclass
+class GatewayState:
+    """Everything the routes share; :meth:`start` / :meth:`stop` run the background loops."""
+
+    config: GatewayConfig
+    env: GatewayEnv
+    metrics: GatewayMetrics
+    http: httpx.AsyncClient
+    instances: InstanceSet
+    load: LoadTracker
+    index: IndexClient
+    selector: Selector
+    proxy: Proxy
+    admission: Admission
+    encoder: Encoder
+    hasher: Hasher
+    sessions: SessionMemory
+    pd: PDCoordinator
+    api_keys: frozenset[str]
+    buckets: KeyedBuckets | None
+    started_at: float = field(default_factory=time.monotonic)
+    _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    async def start(self) -> None:
+        """Probe the instances once (so the first request is routed sensibly), then loop."""
+        await probe_all(self.http, self.instances, self.metrics, 1.0)
+        self._tasks.append(
+            asyncio.create_task(
+                health_loop(
+                    self.http,
+                    self.instances,
+                    self.metrics,
+                    self.config.limits.health_interval_seconds,
+                ),
+                name="health",
+            )
+        )
+        self._tasks.append(asyncio.create_task(self.index.run(), name="index"))
+        await self.pd.start()
+        logger.info(
+            "gateway started: %d instances (%d ready), policy %s, index %s",
+            len(self.instances),
+            sum(1 for i in self.instances if i.ready),
+            self.config.routing.policy,
+            "stream" if self.index.streaming else "http",
+        )
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        await self.pd.stop()
+        self.index.close()
+        await self.http.aclose()
+
+
+def build_state(
+    config: GatewayConfig,
+    env: GatewayEnv | None = None,
+    *,
+    encoder: Encoder | None = None,
+    pd_bind_host: str = "0.0.0.0",
+) -> GatewayState:
+    """Wire every part from the configuration (no I/O until :meth:`GatewayState.start`)."""
+    env = env or GatewayEnv()
+    limits = config.limits
+    metrics = GatewayMetrics()
+    http = httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            limits.upstream_timeout_seconds, connect=limits.connect_timeout_seconds
+        ),
+        limits=httpx.Limits(max_connections=limits.max_inflight * 2, max_keepalive_connections=64),
+    )
+    instances = InstanceSet.from_config(config)
+    index = IndexClient(
+        config.controller_url,
+        config.controller_pub_url,
+        config.controller_snapshot_url,
+        http,
+        metrics,
+        limits.health_interval_seconds,
+    )
+    guards = Guards(config.guards.imbalance_abs, config.guards.imbalance_ratio)
+    weights = config.routing.weights
+    router = Router(
+        make_policy(config.routing.policy, weights.prefix_hit, weights.load, guards), guards
+    )
+    load = LoadTracker()
+    selector = Selector(
+        instances,
+        index,
+        router,
+        load,
+        PendingPrefixes(config.guards.pending_ttl_seconds),
+        metrics,
+        config.chunk_size,
+    )
+    proxy = Proxy(http, load, metrics, limits.retries, limits.upstream_timeout_seconds)
+    hash_config = HashConfig(
+        chunk_size=config.chunk_size,
+        hash_algorithm=config.hash_algorithm,
+        hash_seed=env.hash_seed,
+        vllm=config.vllm,
+    )
+
+    def hasher(tokens: Sequence[int]) -> list[int]:
+        return chunk_hashes(tokens, hash_config)
+
+    rate = limits.rate_limit
+    return GatewayState(
+        config=config,
+        env=env,
+        metrics=metrics,
+        http=http,
+        instances=instances,
+        load=load,
+        index=index,
+        selector=selector,
+        proxy=proxy,
+        admission=Admission(limits.max_inflight, limits.max_queue, limits.queue_timeout_seconds),
+        encoder=encoder or encoder_for(config, instances, http),
+        hasher=hasher,
+        sessions=SessionMemory(limits.sessions),
+        pd=PDCoordinator(
+            config.pd_pairs, instances, pd_bind_host, metrics, limits.pd_transfer_timeout_seconds
+        ),
+        api_keys=env.api_keys(),
+        buckets=KeyedBuckets(rate.requests_per_second, rate.burst) if rate else None,
+    )

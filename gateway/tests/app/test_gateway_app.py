@@ -1,0 +1,298 @@
+"""The gateway's own logic, in process, in front of scripted fake workers (tests/fakes.py):
+routing by the controller's hits, SSE pass-through, retries, breakers, 429 under 2x
+saturation, disconnects, error shapes, auth and rate limits, the memory fan-out, and the
+controller-down fallback. Fakes only because each scenario needs a worker that fails on cue;
+real workers are in tests/integration. Everything binds 127.0.0.1 and is bounded in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from fakes import ControllerScript, Script, bound_socket, fake_controller, fake_worker, serving
+
+from kvpool.gateway.app import build_app
+from kvpool.gateway.config import GatewayEnv, parse_config
+from kvpool.gateway.state import build_state
+
+pytestmark = pytest.mark.timeout(60)
+CHUNK = 4
+
+
+def closed_url() -> str:
+    sock = bound_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    return f"http://127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    scripts: list[Script],
+    controller: ControllerScript | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    env: dict[str, Any] | None = None,
+    dead: list[str] | None = None,
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(serving(fake_worker(s))) for s in scripts]
+        insts = [{"name": s.name, "url": u} for s, u in zip(scripts, urls, strict=True)]
+        insts += [{"name": n, "url": closed_url()} for n in dead or []]
+        ctl = closed_url()
+        if controller is not None:
+            ctl = await stack.enter_async_context(serving(fake_controller(controller)))
+        raw = {
+            "model": "m",
+            "chunkSize": CHUNK,
+            "controllerUrl": ctl,
+            "p2pGroups": [{"name": "g", "instances": insts}],
+            "limits": {"healthIntervalSeconds": 0.2, "retries": 2},
+            **(extra or {}),
+        }
+        state = build_state(parse_config(raw), GatewayEnv(**(env or {})), pd_bind_host="127.0.0.1")
+        url = await stack.enter_async_context(serving(build_app(state)))
+        client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=20))
+        for _ in range(100):  # the first controller poll
+            if controller is None or state.index.controller_up:
+                break
+            await asyncio.sleep(0.02)
+        yield client, state
+
+
+def metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+PROMPT = {"prompt": "abcdefghijklmnop", "max_tokens": 3}  # 16 byte-tokens = 4 chunks
+
+
+async def test_routes_to_the_instance_the_controller_says_holds_the_prefix() -> None:
+    a, b = Script("a"), Script("b")
+    ctl = ControllerScript(hits={"b~fp": 3})
+    async with gateway([a, b], ctl) as (client, _):
+        r = await client.post("/v1/completions", json=PROMPT)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvpool-instance"] == "b"
+        assert r.headers["x-kvpool-route-reason"] == "kv-hit"
+        assert r.headers["x-kvpool-predicted-hit-tokens"] == str(3 * CHUNK)
+        assert r.json()["choices"][0]["text"] == "from b"
+        assert len(b.requests) == 1 and not a.requests
+        m = (await client.get("/metrics")).text
+        assert (
+            metric(m, 'kvpool_gateway_routing_decisions_total{instance="b",reason="kv-hit"}') == 1
+        )
+        assert metric(m, 'kvpool_gateway_predicted_hit_tokens_total{instance="b"}') == 12
+
+
+async def test_streams_sse_through_and_forwards_the_session() -> None:
+    a = Script("a", events=3)
+    async with gateway([a], ControllerScript()) as (client, _):
+        body = {**PROMPT, "stream": True, "user": "alice"}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            lines = [ln async for ln in r.aiter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert [json.loads(x[6:])["choices"][0]["text"] for x in lines[:-1]] == [
+            "a:0 ",
+            "a:1 ",
+            "a:2 ",
+        ]
+        assert a.headers[0]["x-session-id"] == "alice"
+
+
+async def test_503s_are_retried_on_another_instance() -> None:
+    a, b = Script("a", fail_503=5), Script("b", fail_503=5)
+    async with gateway([a, b], ControllerScript(hits={"a~x": 4})) as (client, _):
+        a.fail_503 = 1
+        b.fail_503 = 0
+        r = await client.post("/v1/completions", json=PROMPT)
+        assert r.status_code == 200 and r.headers["x-kvpool-instance"] == "b"
+        m = (await client.get("/metrics")).text
+        assert metric(m, 'kvpool_gateway_retries_total{reason="status_503"}') == 1
+        # every instance draining: 503 in OpenAI's shape, never a traceback
+        a.fail_503, b.fail_503 = 10, 10
+        r = await client.post("/v1/completions", json=PROMPT)
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert err["code"] == "unavailable" and "draining" in err["message"]
+
+
+async def test_connect_errors_retry_and_open_the_breaker() -> None:
+    a = Script("a")
+    async with gateway([a], ControllerScript(hits={"dead~x": 4}), dead=["dead"]) as (client, state):
+        state.instances.by_name["dead"].ready = True  # its probe would say otherwise soon
+        r = await client.post("/v1/completions", json=PROMPT)
+        assert r.status_code == 200 and r.headers["x-kvpool-instance"] == "a"
+        dead = state.instances.by_name["dead"]
+        for _ in range(3):
+            dead.ready = True
+            await client.post("/v1/completions", json=PROMPT)
+        assert dead.breaker.state.value in ("open", "half_open") or not dead.ready
+
+
+async def test_instance_killed_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    a = Script("a", events=5, cut_after_events=2)
+    async with gateway([a], ControllerScript()) as (client, _):
+        async with client.stream("POST", "/v1/completions", json={**PROMPT, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = [ln async for ln in r.aiter_lines() if ln.startswith("data: ")]
+        payloads = [json.loads(x[6:]) for x in lines]
+        assert [p["choices"][0]["text"] for p in payloads[:2]] == ["a:0 ", "a:1 "]
+        assert payloads[-1]["error"]["code"] == "upstream_cut"
+        assert "Traceback" not in "".join(lines)
+
+
+async def test_client_disconnect_cancels_the_upstream_request() -> None:
+    a = Script("a", events=200, event_delay_s=0.05)
+    async with gateway([a], ControllerScript()) as (client, state):
+        async with client.stream("POST", "/v1/completions", json={**PROMPT, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break
+        for _ in range(100):
+            if a.cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert a.cancelled == 1 and a.completed == 0
+        for _ in range(50):
+            if state.admission.inflight == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert state.admission.inflight == 0 and state.load.load("a").inflight == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "param", "code"),
+    [
+        (b"{not json", None, "invalid_json"),
+        (b"[1, 2]", None, "invalid_json"),
+        (json.dumps({"prompt": {"x": 1}}).encode(), "prompt", "invalid_value"),
+        (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), "max_tokens", "invalid_value"),
+        (json.dumps({"prompt": "x", "stream": "sometimes"}).encode(), "stream", "invalid_value"),
+        (json.dumps({"prompt": ["a", "b"]}).encode(), "prompt", "invalid_value"),
+    ],
+)
+async def test_malformed_bodies_are_400s_naming_the_field(
+    content: bytes, param: str | None, code: str
+) -> None:
+    async with gateway([Script("a")], ControllerScript()) as (client, _):
+        r = await client.post("/v1/completions", content=content)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == code and err["param"] == param
+        chat = await client.post("/v1/chat/completions", json={"messages": []})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+
+
+async def test_oversized_body_is_413_and_unknown_model_is_404() -> None:
+    async with gateway(
+        [Script("a")], ControllerScript(), extra={"limits": {"maxBodyBytes": 2048}}
+    ) as (
+        client,
+        _,
+    ):
+        r = await client.post("/v1/completions", json={"prompt": "x" * 5000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        r = await client.post("/v1/completions", json={"prompt": "x", "model": "other"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+async def test_twice_the_capacity_gets_429_with_retry_after() -> None:
+    a = Script("a", first_byte_delay_s=0.5)
+    limits = {"limits": {"maxInflight": 2, "maxQueue": 2, "queueTimeoutSeconds": 5, "retries": 0}}
+    async with gateway([a], ControllerScript(), extra=limits) as (client, _):
+        results = await asyncio.gather(
+            *(client.post("/v1/completions", json=PROMPT) for _ in range(8))
+        )
+        codes = sorted(r.status_code for r in results)
+        assert codes.count(200) == 4 and codes.count(429) == 4  # 2 in flight + 2 queued
+        refused = next(r for r in results if r.status_code == 429)
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "saturated"
+
+
+async def test_controller_down_serves_by_fallback_and_readyz_says_degraded() -> None:
+    a, b = Script("a"), Script("b")
+    async with gateway([a, b], None) as (client, _):
+        ready = await client.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["status"] == "degraded"
+        r = await client.post("/v1/completions", json=PROMPT)
+        assert r.status_code == 200 and r.headers["x-kvpool-route-reason"] == "fallback-least-load"
+        r = await client.post("/v1/completions", json=PROMPT, headers={"x-session-id": "s"})
+        assert r.headers["x-kvpool-route-reason"] == "fallback-session"
+
+
+async def test_no_ready_instance_is_503_and_readyz_unavailable() -> None:
+    a = Script("a", ready=False)
+    async with gateway([a], ControllerScript()) as (client, _):
+        assert (await client.get("/readyz")).status_code == 503
+        r = await client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_instance_available"
+
+
+async def test_api_keys_and_rate_limit() -> None:
+    extra = {"limits": {"rateLimit": {"requestsPerSecond": 0.01, "burst": 2}}}
+    env = {"auth_token": "k1,k2"}
+    async with gateway([Script("a")], ControllerScript(), extra=extra, env=env) as (client, _):
+        assert (await client.post("/v1/completions", json=PROMPT)).status_code == 401
+        bad = await client.post(
+            "/v1/completions", json=PROMPT, headers={"authorization": "Bearer nope"}
+        )
+        assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+        ok = {"authorization": "Bearer k2"}
+        assert (await client.post("/v1/completions", json=PROMPT, headers=ok)).status_code == 200
+        assert (await client.post("/v1/completions", json=PROMPT, headers=ok)).status_code == 200
+        limited = await client.post("/v1/completions", json=PROMPT, headers=ok)
+        assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+        # probes need no key
+        assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_pinning_header_moves_a_request_on_purpose() -> None:
+    a, b = Script("a"), Script("b")
+    async with gateway([a, b], ControllerScript(hits={"a~x": 4})) as (client, _):
+        r = await client.post("/v1/completions", json=PROMPT, headers={"x-kvpool-instance": "b"})
+        assert (
+            r.headers["x-kvpool-instance"] == "b" and r.headers["x-kvpool-route-reason"] == "pinned"
+        )
+        r = await client.post("/v1/completions", json=PROMPT, headers={"x-kvpool-instance": "zz"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-kvpool-instance"
+
+
+async def test_memory_api_fans_out_and_reports_per_instance() -> None:
+    a, b = Script("a"), Script("b")
+    async with gateway([a, b], ControllerScript(hits={"b~x": 2})) as (client, _):
+        await client.post("/v1/completions", json=PROMPT, headers={"x-session-id": "s1"})
+        ev = await client.post(
+            "/memory/evict", json={"session_id": "s1", "tiers": ["LocalCPUBackend"]}
+        )
+        assert ev.status_code == 200, ev.text
+        body = ev.json()
+        assert set(body["instances"]) == {"a", "b"} and body["ok"]
+        assert a.memory_calls[0] == (
+            "evict",
+            {"token_ids": list(b"abcdefghijklmnop"), "tiers": ["LocalCPUBackend"]},
+        )
+        # the session is forgotten after a pool-wide evict
+        again = await client.post("/memory/evict", json={"session_id": "s1"})
+        assert again.status_code == 404 and again.json()["error"]["code"] == "session_not_found"
+        pf = await client.post("/memory/prefetch", json={"token_ids": [1, 2, 3, 4, 5, 6, 7, 8]})
+        assert list(pf.json()["instances"]) == ["b"]  # the instance the router would pick
+        pin = await client.post("/memory/pin", json={"text": "abcdefgh"})
+        assert list(pin.json()["instances"]) == ["b"]  # the holder the index names
+        bad = await client.post("/memory/pin", json={"chunk_hashes": [1]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chunk_hashes"
+        two = await client.post("/memory/evict", json={"token_ids": [1], "text": "x"})
+        assert two.status_code == 400
