@@ -3,6 +3,7 @@ and bad input gets a message naming the field, never a traceback."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -153,3 +154,65 @@ def test_the_invalid_example_fails_with_every_documented_rule(
         assert field in out
     assert "=> 5 error(s)" in out
     assert "Traceback" not in out
+
+
+def test_f_repeats_names_directories_and_reads_stdin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kubectl's habits: -f twice adds both, -f DIR reads its manifests, -f - reads stdin."""
+    (tmp_path / "pool.yaml").write_text(yaml.safe_dump(POOL))
+    (tmp_path / "member.yml").write_text(yaml.safe_dump(P2P))
+    (tmp_path / "notes.txt").write_text("not a manifest")
+    assert (
+        main(["validate", "-f", str(tmp_path / "pool.yaml"), "-f", str(tmp_path / "member.yml")])
+        == 0
+    )
+    assert "KVCachePool ns/pool: domain" in capsys.readouterr().out
+    assert main(["validate", "-f", str(tmp_path)]) == 0
+    assert "1 member(s)" in capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.StringIO(yaml.safe_dump_all([POOL, P2P])))
+    assert main(["validate", "-f", "-"]) == 0
+    assert "1 member(s)" in capsys.readouterr().out
+
+
+def test_directories_recurse_only_with_r(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "all.yaml").write_text(yaml.safe_dump_all([POOL, P2P]))
+    assert main(["validate", "-f", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "is a directory without .yaml, .yml or .json files" in out and "-R" in out
+    assert main(["validate", "-R", "-f", str(tmp_path)]) == 0
+
+
+def test_examples_directory_validates_clean(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "-f", str(EXAMPLES)]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("=> 0 error(s), 0 warning(s)")
+    assert "default P2PGroup/qwen-p2p: spec.transfer.npuBufferSize = 128Mi" in out
+
+
+def test_summary_counts_load_errors_like_the_exit_status(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump_all([POOL, merge(P2P, {"spec": {"chunkSise": 1}})]))
+    assert main(["validate", "-f", str(bad)]) == 1
+    assert capsys.readouterr().out.rstrip().endswith("=> 1 error(s), 0 warning(s)")
+
+
+def test_member_of_a_pool_in_another_namespace_is_told_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    member = merge(P2P, {"metadata": {"namespace": "other"}})
+    assert main(["validate", "-f", _write(tmp_path, POOL, member)]) == 1
+    out = capsys.readouterr().out
+    assert "which is in namespace 'ns', but this P2PGroup is in namespace 'other'" in out
+    assert "fix: set metadata.namespace: ns on the P2PGroup" in out
+
+
+def test_a_list_document_is_unwrapped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    listing = {"apiVersion": "v1", "kind": "List", "items": [POOL, P2P]}
+    assert main(["validate", "-f", _write(tmp_path, listing)]) == 0
+    assert "1 member(s)" in capsys.readouterr().out

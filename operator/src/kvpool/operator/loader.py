@@ -6,8 +6,11 @@ field: what is wrong" — never a traceback — for bad YAML, an unknown kind or
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from pathlib import Path
+from typing import Any, TextIO, cast
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -58,15 +61,27 @@ class Loaded:
             key = (member.metadata.namespace, member.spec.pool_ref.name)
             if key in by_key:
                 by_key[key].members.append(member)
-            else:
-                self.errors.append(
-                    LoadError(
-                        f"{member.kind}/{member.metadata.name}: spec.poolRef.name",
-                        f"names KVCachePool {key[1]!r} in namespace {key[0]!r}, which is not "
-                        "among the given files",
-                        "pass the pool's file too (-f pool.yaml -f member.yaml)",
-                    )
+                continue
+            elsewhere = sorted(ns for ns, name in by_key if name == key[1])
+            where = f"{member.kind}/{member.metadata.name}: spec.poolRef.name"
+            if elsewhere:
+                error = LoadError(
+                    where,
+                    f"names KVCachePool {key[1]!r}, which is in namespace "
+                    f"{', '.join(map(repr, elsewhere))}, but this {member.kind} is in "
+                    f"namespace {key[0]!r}: a member joins a pool of its own namespace only",
+                    f"set metadata.namespace: {elsewhere[0]} on the {member.kind}, or create "
+                    f"the KVCachePool in namespace {key[0]}",
                 )
+            else:
+                error = LoadError(
+                    where,
+                    f"names KVCachePool {key[1]!r} in namespace {key[0]!r}, which is not "
+                    "among the given files",
+                    "pass the pool's file too (-f pool.yaml -f member.yaml)",
+                )
+            if error not in self.errors:
+                self.errors.append(error)
         return [by_key[k] for k in sorted(by_key)]
 
 
@@ -121,7 +136,7 @@ def load_text(text: str, source: str, into: Loaded | None = None) -> Loaded:
             LoadError(where, f"invalid YAML ({getattr(exc, 'problem', exc)})", "fix the syntax")
         )
         return loaded
-    for i, doc in enumerate(docs):
+    for i, doc in enumerate(_unwrap_lists(docs)):
         result = parse_document(doc, f"{source}#{i + 1}")
         if isinstance(result, LoadError):
             loaded.errors.append(result)
@@ -129,4 +144,62 @@ def load_text(text: str, source: str, into: Loaded | None = None) -> Loaded:
             loaded.pools.append(result)
         else:
             loaded.members.append(result)
+    return loaded
+
+
+def _unwrap_lists(docs: list[Any]) -> list[Any]:
+    """Documents with ``kind: List`` (``kubectl get -o yaml``, ``render -o json``) unwrapped."""
+    out: list[Any] = []
+    for doc in docs:
+        if (
+            isinstance(doc, dict)
+            and doc.get("kind") == "List"
+            and isinstance(doc.get("items"), list)
+        ):
+            out.extend(doc["items"])
+        else:
+            out.append(doc)
+    return out
+
+
+MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _expand(name: str, recursive: bool) -> list[Path] | None:
+    path = Path(name)
+    if not path.is_dir():
+        return None
+    found = path.rglob("*") if recursive else path.iterdir()
+    return sorted(p for p in found if p.is_file() and p.suffix in MANIFEST_SUFFIXES)
+
+
+def load_files(
+    names: Sequence[str], *, recursive: bool = False, stdin: TextIO | None = None
+) -> Loaded:
+    """Read every ``-f`` argument the way kubectl does: a file, ``-`` for stdin, or a directory
+    (its .yaml/.yml/.json files; with ``recursive`` its subdirectories too)."""
+    loaded = Loaded()
+    for name in names:
+        if name == "-":
+            load_text((stdin or sys.stdin).read(), "<stdin>", loaded)
+            continue
+        files = _expand(name, recursive)
+        if files is not None and not files:
+            loaded.errors.append(
+                LoadError(
+                    name,
+                    "is a directory without .yaml, .yml or .json files"
+                    + ("" if recursive else " (subdirectories are not read)"),
+                    "name a directory holding manifests, or add -R to read subdirectories",
+                )
+            )
+        for path in files if files is not None else [Path(name)]:
+            try:
+                text = path.read_text(encoding="utf-8")
+            except OSError as exc:
+                loaded.errors.append(
+                    LoadError(str(path), f"cannot read ({exc.strerror})", "check the path")
+                )
+                continue
+            load_text(text, str(path), loaded)
     return loaded

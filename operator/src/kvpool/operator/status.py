@@ -13,10 +13,11 @@ from kvpool.operator.api.common import Condition, InstanceStatus
 from kvpool.operator.api.members import MemberStatus, P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool, KVCachePoolStatus
 from kvpool.operator.derive import names
+from kvpool.operator.derive.defaults import domain_defaults, member_defaults
 from kvpool.operator.derive.instances import instance_url, member_instances
 from kvpool.operator.derive.sizing import member_memory_budget
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
-from kvpool.operator.validation.problems import Problem, errors
+from kvpool.operator.validation.problems import Problem, errors, warnings
 from kvpool.protocol.domain import instance_id
 
 _SEED_RULES = {1}
@@ -50,8 +51,12 @@ def _condition(
     )
 
 
+def _line(problem: Problem) -> str:
+    return f"{problem.path}: {problem.message} (fix: {problem.fix})"
+
+
 def _summary(problems: list[Problem]) -> str:
-    return "; ".join(f"{p.path}: {p.message} (fix: {p.fix})" for p in problems)[:4000]
+    return "; ".join(_line(p) for p in problems)[:4000]
 
 
 def conditions(
@@ -67,8 +72,18 @@ def conditions(
     seed = [p for p in errs if p.rule in _SEED_RULES]
     ports = [p for p in errs if p.rule in _PORT_RULES]
     valid = not errs
-    all_ready = valid and desired > 0 and ready >= desired
+    # A PD pair with one side scaled to zero runs instances but serves nothing.
+    incomplete = [p for p in problems if p.code == "pd.half-scaled"]
+    all_ready = valid and not incomplete and ready >= desired
     progressing = valid and ready < desired
+    if not valid:
+        ready_reason, ready_message = "InvalidSpec", _summary(errs)
+    elif incomplete:
+        ready_reason, ready_message = "PairIncomplete", _summary(incomplete)
+    else:
+        ready_reason, ready_message = "InstancesNotReady", f"{ready}/{desired} instances ready"
+    if desired == 0 and valid:
+        ready_message = "scaled to zero (replicas: 0): no instances run; raise replicas to serve"
     degraded = not valid or (0 < ready < desired)
 
     def cond(ctype: str, ok: bool, good: str, bad: str, message: str) -> Condition:
@@ -78,9 +93,9 @@ def conditions(
         cond(
             "Ready",
             all_ready,
-            "AllInstancesReady",
-            "InvalidSpec" if not valid else "InstancesNotReady",
-            f"{ready}/{desired} instances ready" if valid else _summary(errs),
+            "ScaledToZero" if desired == 0 else "AllInstancesReady",
+            ready_reason,
+            ready_message,
         ),
         cond(
             "Progressing",
@@ -150,6 +165,8 @@ def member_status(
         instances=instances,
         endpoints=[instance_url(i.name, ns, i.http_port) for i in instances],
         memory_budget=member_memory_budget(pool, member),
+        warnings=[_line(p) for p in warnings(own)],
+        defaults=[str(d) for d in member_defaults(member)],
     )
 
 
@@ -186,6 +203,8 @@ def pool_status(
         memory_budget={
             f"{m.kind}/{m.metadata.name}": member_memory_budget(pool, m) for m in ordered
         },
+        warnings=[_line(p) for p in warnings(problems)],
+        defaults=[str(d) for d in domain_defaults(pool, members)],
     )
 
 

@@ -138,7 +138,9 @@ class P2PGroupSpec(ApiModel):
     """A group of peer instances that share KV through the controller (kv_both)."""
 
     pool_ref: PoolRef
-    replicas: int = Field(default=2, ge=1, le=64, description="Instances. Default 2.")
+    replicas: int = Field(
+        default=2, ge=0, le=64, description="Instances; 0 scales the group to zero. Default 2."
+    )
     tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="Default 1.")
     engine: EngineSpec
     transfer: P2PTransfer = Field(default_factory=P2PTransfer)
@@ -158,7 +160,12 @@ class P2PGroupSpec(ApiModel):
 class PDRole(ApiModel):
     """Prefill or decode side of a PD pair."""
 
-    replicas: int = Field(default=1, ge=1, le=64, description="Default 1.")
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=64,
+        description="Instances of this side; 0 scales it to zero. Default 1.",
+    )
     tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="Default 1.")
     engine: EngineSpec
 
@@ -233,6 +240,14 @@ class MemberStatus(ApiModel):
     instances: list[InstanceStatus] = Field(default_factory=list)
     endpoints: list[str] = Field(default_factory=list, description="Instance HTTP endpoints.")
     memory_budget: MemoryBudget | None = None
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="Warnings of the domain's validation for this resource (path: message).",
+    )
+    defaults: list[str] = Field(
+        default_factory=list,
+        description="Sizes and counts kvpool filled in by default (field = value).",
+    )
 
 
 class P2PGroup(ApiModel):

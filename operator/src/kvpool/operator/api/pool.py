@@ -256,6 +256,14 @@ class KVCachePoolStatus(ApiModel):
     memory_budget: dict[str, MemoryBudget] = Field(
         default_factory=dict, description="Host memory per member, keyed by Kind/name."
     )
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="Warnings of the domain's validation for this resource (path: message).",
+    )
+    defaults: list[str] = Field(
+        default_factory=list,
+        description="Sizes and counts kvpool filled in by default (field = value).",
+    )
 
 
 class KVCachePool(ApiModel):

@@ -56,9 +56,13 @@ def rank_parts(pool: KVCachePool, member: P2PGroup | PDPair, role: str) -> Parts
 
 
 def engine_memory_bytes(engine: EngineSpec) -> int:
-    """The engine's own memory request (engine.resources.requests.memory), 0 when unset."""
+    """The engine's own memory request (engine.resources.requests.memory), 0 when unset or
+    not a quantity kvpool can add to (validation reports that one)."""
     value = engine.resources.requests.get("memory")
-    return parse_quantity(value) if value is not None else 0
+    try:
+        return parse_quantity(value) if value is not None else 0
+    except ValueError:
+        return 0
 
 
 def _groups(member: P2PGroup | PDPair) -> list[tuple[str, str, int, int, EngineSpec]]:

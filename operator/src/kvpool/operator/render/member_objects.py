@@ -70,7 +70,10 @@ def worker_resources(pool: KVCachePool, member: P2PGroup | PDPair, inst: Instanc
     requests, limits = dict(spec.requests), dict(spec.limits)
     if lmcache:
         for table in (requests, limits) if "memory" in limits else (requests,):
-            table["memory"] = _quantity(parse_quantity(table.get("memory", 0)) + lmcache)
+            try:
+                table["memory"] = _quantity(parse_quantity(table.get("memory", 0)) + lmcache)
+            except ValueError:  # refused by validation (rules_domain.model_relations)
+                continue
     extra: dict[str, str] = {}
     accelerator = inst.engine.accelerator()
     if accelerator:

@@ -106,20 +106,34 @@ _ADJUSTABLE = {
 
 
 def _fit_patch(
-    pool: KVCachePool, member: P2PGroup | PDPair, role: str, tp: int, excess: int
+    pool: KVCachePool, member: P2PGroup | PDPair, role: str, tp: int, request: int
 ) -> tuple[str, tuple[Patch, ...]]:
+    """Lower the largest pinned parts per rank (never below one chunk) until the pod fits;
+    when even that is not enough, the fix is a node that fits it."""
+    allocatable = pool.spec.node_allocatable_memory or 0
+    per_rank = math.ceil((request - allocatable) / tp)
+    floor = math.ceil(chunk_bytes_per_rank(pool, tp) / MIB) * MIB
+    texts: list[str] = []
+    patches: list[Patch] = []
     for name, size in sorted(rank_parts(pool, member, role), key=lambda p: -p[1]):
-        if name not in _ADJUSTABLE:
+        if per_rank <= 0 or name not in _ADJUSTABLE:
             continue
-        lowered = (size - math.ceil(excess / tp)) // MIB * MIB
-        if lowered <= 0:
-            break
+        lowered = max(floor, (size - per_rank) // MIB * MIB)
+        if lowered >= size:
+            continue
+        per_rank -= size - lowered
         owner, field = _ADJUSTABLE[name]
         target = pool if owner == "pool" else member
-        where_ = "the pool's " if owner == "pool" else ""
-        text = f"set {where_}{field.removeprefix('spec.')}: {format_bytes(lowered)}"
-        return f"{text} (or use nodes with more memory)", (set_field(target, field, lowered),)
-    return "use nodes with more memory, or lower the engine's memory request", ()
+        prefix = "the pool's " if owner == "pool" else ""
+        texts.append(f"{prefix}{field.removeprefix('spec.')}: {format_bytes(lowered)}")
+        patches.append(set_field(target, field, lowered))
+    if per_rank <= 0:
+        return f"set {' and '.join(texts)} (or use nodes with more memory)", tuple(patches)
+    return (
+        f"use nodes with at least {format_bytes(request)} allocatable (nodeAllocatableMemory: "
+        f"{request}), or lower the engine's memory request",
+        (set_field(pool, "spec.nodeAllocatableMemory", request),),
+    )
 
 
 def budget_warnings(pool: KVCachePool, members: Members) -> list[Problem]:
@@ -138,7 +152,7 @@ def budget_warnings(pool: KVCachePool, members: Members) -> list[Problem]:
             request = lmcache + engine_memory_bytes(inst.engine)
             if request <= allocatable:
                 continue
-            fix, patch = _fit_patch(pool, member, inst.role, inst.tp, request - allocatable)
+            fix, patch = _fit_patch(pool, member, inst.role, inst.tp, request)
             out.append(
                 Problem(
                     where(member, "spec"),
