@@ -13,6 +13,7 @@ from types import ModuleType
 
 import pytest
 
+from kvpool.protocol.chat import ChatMessage, TextTokenizer
 from kvpool.worker.engine_api import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
@@ -21,10 +22,8 @@ from kvpool.worker.engine_api import (
 )
 from kvpool.worker.tokenizer import (
     ASSETS_DIR,
-    ChatMessage,
     IncrementalDetokenizer,
     TextStream,
-    TextTokenizer,
     load_tokenizer,
 )
 

@@ -29,6 +29,7 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
+from kvpool.protocol.chat import TextTokenizer
 from kvpool.protocol.domain import DomainFacts, domain_fingerprint
 from kvpool.worker.contract import (
     DEFAULT_CHUNK_SIZE,
@@ -43,7 +44,7 @@ from kvpool.worker.engine_api import Engine, ReferenceEngineOptions
 from kvpool.worker.server import WorkerRuntime, build_app
 from kvpool.worker.settings import WorkerSettings
 from kvpool.worker.shutdown import EXIT_OK, GracefulShutdown, ShutdownPolicy, hard_exit
-from kvpool.worker.tokenizer import TextTokenizer, load_tokenizer
+from kvpool.worker.tokenizer import load_tokenizer
 from kvpool.worker.vllm_cmd import VllmCommandError, VllmLaunch, vllm_command
 
 logger = logging.getLogger(__name__)

@@ -12,8 +12,9 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
+from kvpool.protocol.chat import TextTokenizer
 from kvpool.worker.engine_api import Engine, GenerationRequest, TokenEvent
-from kvpool.worker.tokenizer import TextStream, TextTokenizer
+from kvpool.worker.tokenizer import TextStream
 
 
 @dataclass

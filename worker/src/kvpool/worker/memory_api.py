@@ -24,9 +24,9 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvpool.protocol.chat import ChatMessage, TextTokenizer
 from kvpool.worker.engine_api import Engine
 from kvpool.worker.openai_models import ChatMessageIn, OpenAIError
-from kvpool.worker.tokenizer import ChatMessage, TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +150,9 @@ def build_memory_router(
         assert sel.messages is not None
         try:
             msgs = [ChatMessage(m.role, m.text()) for m in sel.messages]
+            return tokenizer.chat_token_ids(msgs)
         except ValueError as exc:
             raise OpenAIError(str(exc), param="messages") from exc
-        return tokenizer.encode(tokenizer.apply_chat_template(msgs))
 
     @router.post("/evict")
     async def evict(body: EvictRequest) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvpool.protocol.chat import content_text
+
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
 
@@ -134,16 +136,7 @@ class ChatMessageIn(BaseModel):
 
     def text(self) -> str:
         """Plain text of the message; content parts must be text parts."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        return content_text(self.content)
 
 
 class ChatCompletionRequest(_SamplingRequest):

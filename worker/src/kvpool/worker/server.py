@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvpool.protocol.chat import ChatMessage, TextTokenizer
 from kvpool.worker.engine_api import (
     Engine,
     EngineError,
@@ -45,7 +46,6 @@ from kvpool.worker.openai_models import (
     usage,
 )
 from kvpool.worker.pd_api import answer_params, build_pd_router, parse_kv_transfer
-from kvpool.worker.tokenizer import ChatMessage, TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -256,10 +256,9 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
     def chat_prompt(messages: list[Any], add_generation_prompt: bool) -> list[int]:
         try:
             msgs = [ChatMessage(m.role, m.text()) for m in messages]
+            return tok.chat_token_ids(msgs, add_generation_prompt=add_generation_prompt)
         except ValueError as exc:
             raise OpenAIError(str(exc), param="messages") from exc
-        text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
-        return tok.encode(text)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -1,103 +1,31 @@
 """Text in, token ids out, and back: the runtime side of tokenization.
 
 Why this module exists: the Engine protocol speaks token ids only, so the HTTP runtime owns
-the tokenizer (the committed reference ``tokenizer.json`` or a model directory's), the chat
-template (ChatML by default, read from ``tokenizer_config.json`` beside the tokenizer, the
-same file the gateway loads), incremental detokenization for streaming, and stop strings
-(which must hold back text that could still become a stop string).
+the tokenizer (the committed reference ``tokenizer.json`` or a model directory's), incremental
+detokenization for streaming, and stop strings (which must hold back text that could still
+become a stop string). Prompt rendering itself — text and chat messages to the ids the engine
+prefills — is :mod:`kvpool.protocol.chat`, the code the gateway runs too.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from kvpool.protocol import chat
 
 logger = logging.getLogger(__name__)
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
-IM_END = "<|im_end|>"
 
 
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
-
-
-class TextTokenizer:
-    """A HF ``tokenizers`` tokenizer plus the special-token facts the runtime needs."""
-
-    def __init__(self, tokenizer: Tokenizer, config: Mapping[str, object]) -> None:
-        self._tok = tokenizer
-        self.config = dict(config)
-        template = config.get("chat_template")
-        self._template = (
-            ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(
-                template
-            )
-            if isinstance(template, str)
-            else None
-        )
-        self.eos_token_id = self._special_id(config.get("eos_token"))
-        self.bos_token_id = self._special_id(config.get("bos_token"))
-        self.pad_token_id = self._special_id(config.get("pad_token"))
-        self.im_end_token_id = self._tok.token_to_id(IM_END)
-
-    def _special_id(self, token: object) -> int | None:
-        if isinstance(token, dict):  # HF AddedToken form {"content": ...}
-            token = token.get("content")
-        return self._tok.token_to_id(token) if isinstance(token, str) else None
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._tok.get_vocab_size(with_added_tokens=True))
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text are recognised."""
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
-
-    def apply_chat_template(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
-    ) -> str:
-        if self._template is None:
-            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
-        return self._template.render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.config.get("bos_token", ""),
-            eos_token=self.config.get("eos_token", ""),
-        )
-
-    def chat_stop_token_ids(self) -> tuple[int, ...]:
-        """Tokens that end an assistant turn (ChatML's ``<|im_end|>``)."""
-        return (self.im_end_token_id,) if self.im_end_token_id is not None else ()
-
-
-def load_tokenizer(path: str | Path | None = None) -> TextTokenizer:
-    """Load ``tokenizer.json`` (a file, or a directory holding one) and the config beside it.
-
-    ``None`` loads the committed reference tokenizer from the package assets.
-    """
-    target = Path(path) if path is not None else ASSETS_DIR
-    tok_file = target / "tokenizer.json" if target.is_dir() else target
-    cfg_file = tok_file.parent / "tokenizer_config.json"
-    tokenizer = Tokenizer.from_file(str(tok_file))
-    config: dict[str, object] = {}
-    if cfg_file.is_file():
-        loaded = json.loads(cfg_file.read_text(encoding="utf-8"))
-        if isinstance(loaded, dict):
-            config = loaded
-    logger.info("loaded tokenizer %s (%d ids)", tok_file, tokenizer.get_vocab_size())
-    return TextTokenizer(tokenizer, config)
+def load_tokenizer(path: str | Path | None = None) -> chat.TextTokenizer:
+    """The tokenizer at ``path`` (see :func:`kvpool.protocol.chat.load_tokenizer`); ``None``
+    loads the committed reference tokenizer from the package assets."""
+    tokenizer = chat.load_tokenizer(path if path is not None else ASSETS_DIR)
+    logger.info("loaded tokenizer %s (%d ids)", path or ASSETS_DIR, tokenizer.vocab_size)
+    return tokenizer
 
 
 class IncrementalDetokenizer:
@@ -107,7 +35,7 @@ class IncrementalDetokenizer:
     yields U+FFFD. Keep a small window of ids and only emit once the window decodes cleanly.
     """
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(self, tokenizer: chat.TextTokenizer) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
         self._prefix_offset = 0
@@ -139,7 +67,7 @@ class TextStream:
     ``stopped`` is True and the output ends right before it (OpenAI semantics).
     """
 
-    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: chat.TextTokenizer, stop: Sequence[str] = ()) -> None:
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop = [s for s in stop if s]
         self._held = ""
