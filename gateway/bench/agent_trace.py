@@ -110,7 +110,8 @@ class Trace:
         return [r for s in self.sessions for r in s.requests]
 
 
-def _words(rng: random.Random, n: int) -> str:
+def filler(rng: random.Random, n: int) -> str:
+    """``n`` words of plain text with a sentence end every twelve words."""
     words = []
     for i in range(n):
         word = rng.choice(_WORDS)
@@ -123,14 +124,14 @@ def _words(rng: random.Random, n: int) -> str:
 def _system_prompt(rng: random.Random, tenant: str, n: int) -> str:
     return (
         f"You are the assistant of tenant {tenant}. Follow the house rules below exactly.\n"
-        + _words(rng, n)
+        + filler(rng, n)
     )
 
 
 def _user_turn(
     rng: random.Random, words: int, docs: list[tuple[int, str]] | None, turn: int
 ) -> str:
-    question = f"{rng.choice(_QUESTIONS)} {_words(rng, words)}?"
+    question = f"{rng.choice(_QUESTIONS)} {filler(rng, words)}?"
     if docs is None:
         return f"Turn {turn}. {question}"
     context = "\n\n".join(f"[document {i}]\n{text}" for i, text in docs)
@@ -142,7 +143,7 @@ def generate(cfg: TraceConfig) -> Trace:
     rng = random.Random(cfg.seed)
     tenants = [f"t{i}" for i in range(cfg.tenants)]
     systems = {t: _system_prompt(rng, t, cfg.system_words) for t in tenants}
-    corpora = {t: [_words(rng, cfg.doc_words) for _ in range(cfg.docs_per_tenant)] for t in tenants}
+    corpora = {t: [filler(rng, cfg.doc_words) for _ in range(cfg.docs_per_tenant)] for t in tenants}
     per_tenant: dict[str, list[Session]] = {t: [] for t in tenants}
     for t in tenants:
         for k in range(cfg.sessions_per_tenant):
@@ -160,7 +161,7 @@ def generate(cfg: TraceConfig) -> Trace:
                 )
                 requests.append(Request(sid, t, turn, tuple(dict(m) for m in history),
                                         cfg.max_tokens))  # fmt: skip
-                history.append({"role": "assistant", "content": _words(rng, cfg.reply_words)})
+                history.append({"role": "assistant", "content": filler(rng, cfg.reply_words)})
             per_tenant[t].append(Session(sid, t, rag, tuple(requests)))
     # interleave tenants so concurrent sessions belong to different tenants
     order = [per_tenant[t][k] for k in range(cfg.sessions_per_tenant) for t in tenants]

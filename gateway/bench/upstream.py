@@ -8,6 +8,7 @@ never the bottleneck of a router in front of it. It answers:
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: a fixed one-token answer with
   ``usage``; with ``"stream": true`` an SSE stream (chunked) of one content event, a usage
   event and ``[DONE]``;
+- ``POST /tokenize``: three token ids (what a gateway without a local tokenizer asks for);
 - ``GET /v1/models``: the model list; any other ``GET`` (health, readiness, metrics): 200.
 
 Run: ``python upstream.py --ports P1,P2,... [--model NAME]``; prints ``READY`` when listening.
@@ -54,6 +55,8 @@ class Upstream:
                 data = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
                 return self._json(data)
             return self._json({"status": "ok"})
+        if path.startswith(b"/tokenize"):  # a gateway without a local tokenizer asks here
+            return self._json({"tokens": [1, 2, 3], "count": 3, "max_model_len": 8704})
         chat = path.startswith(b"/v1/chat/completions")
         if not chat and not path.startswith(b"/v1/completions"):
             return self._json({"status": "ok"})

@@ -1,0 +1,309 @@
+"""Gateway benchmark: routing quality on real reference workers and router overhead on instant
+upstreams, kvpool's gateway side by side with sglang-router in one run.
+
+Why this shape: the issue's targets are ratios against sglang-router (PyPI ``sglang-router``,
+the Rust router users would otherwise pick), measured on the same workers, with the same
+trace and the same load generator, in one run on this noisy box.
+
+1. Overhead. The controller of the domain runs; instant upstreams (``upstream.py``) listen on
+   the workers' ports, so our gateway reads its rendered ``gateway.yaml`` unchanged. Added
+   latency p50/p99 over the direct call and maximum req/s, ours and sglang-router's
+   (``overhead.py``, ``loadgen.py``). Tokenization apart: the gateway's own tokenize path at
+   1K/8K/32K tokens, in process.
+2. Routing quality. The three reference workers of ``pool.yaml`` start (real LMCache, our
+   controller, the operator's render run locally). The agent trace (``agent_trace.py``) is
+   replayed through (a) our gateway with the pool's kv-aware policy, (b) our gateway rendered
+   with round-robin, (c) sglang-router ``cache_aware``; every worker's LMCache and the
+   controller's index are emptied between arms (``replay.clear_workers``). Hit ratio from the
+   workers' ``usage``, TTFT p50/p90/p99 (first content event of the stream), throughput.
+
+Writes ``--out`` (DESIGN.md's JSON shape), prints a Markdown table and writes a PNG of the
+TTFT distributions next to the JSON.
+
+    python gateway/bench/run.py [--quick] --out bench-results/gateway.json
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+
+import argparse
+import asyncio
+import contextlib
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import agent_trace
+import domain
+import overhead
+import replay
+import tokenize_bench
+from domain import log
+
+HERE = Path(__file__).resolve().parent
+ARMS = ("kvpool", "kvpool_round_robin", "sglang_cache_aware")
+ARM_LABEL = {
+    "kvpool": "kvpool gateway (kv-aware)",
+    "kvpool_round_robin": "kvpool gateway (round-robin)",
+    "sglang_cache_aware": "sglang-router (cache_aware)",
+}
+
+
+def trace_config(quick: bool) -> agent_trace.TraceConfig:
+    if quick:
+        return agent_trace.TraceConfig(
+            seed=0, tenants=3, sessions_per_tenant=2, turns=2, system_words=700, doc_words=160,
+            docs_per_turn=2,
+        )  # fmt: skip
+    return agent_trace.TraceConfig(
+        seed=0, tenants=6, sessions_per_tenant=4, turns=4, system_words=1400, doc_words=200,
+        docs_per_turn=3, docs_per_tenant=8,
+    )  # fmt: skip
+
+
+def overhead_phase(dom: domain.Domain, model: str, quick: bool) -> dict[str, Any]:
+    """Instant upstreams on the workers' ports; ours and sglang-router in front of them."""
+    ports = [int(u.rsplit(":", 1)[1]) for u in dom.worker_urls]
+    cmd = [sys.executable, str(HERE / "upstream.py"), "--ports", ",".join(map(str, ports)),
+           "--model", model]  # fmt: skip
+    with contextlib.ExitStack() as st:
+        st.enter_context(
+            domain.services.started(cmd, ports[-1], "instant upstreams", dom.root / "upstream.log")
+        )
+        ours, _ = st.enter_context(dom.gateway())
+        sglang = st.enter_context(domain.sglang_router(dom.worker_urls, dom.root))
+        targets = {"direct": dom.worker_urls[0], "kvpool": ours, "sglang": sglang}
+        log(f"overhead: latency and req/s of {list(targets)} against instant upstreams")
+        return overhead.run(targets, model, quick)
+
+
+def arm(
+    dom: domain.Domain, name: str, trace: agent_trace.Trace, model: str, concurrency: int
+) -> dict[str, Any]:
+    with contextlib.ExitStack() as st:
+        if name == "sglang_cache_aware":
+            url = st.enter_context(domain.sglang_router(dom.worker_urls, dom.root))
+        else:
+            url, _ = st.enter_context(dom.gateway("round-robin" if "round" in name else None))
+        before = replay.worker_counters(dom.worker_urls)
+        results, wall = asyncio.run(replay.replay(url, trace, model, concurrency))
+        after = replay.worker_counters(dom.worker_urls)
+    delta = {
+        key: [after[u][key] - before[u][key] for u in dom.worker_urls] for key in replay.COUNTERS
+    }
+    total = sum(delta["prompt_tokens"]) or 1.0
+    return {
+        "results": results,
+        "wall_s": wall,
+        "worker_prompt_share": [v / total for v in delta["prompt_tokens"]],
+        "p2p_tokens": sum(delta["p2p_chunks"]) * int(dom.gateway_config["chunkSize"]),
+    }
+
+
+def summarize_arm(a: dict[str, Any]) -> dict[str, float]:
+    """Hit ratios (all hits, and local ones: not pulled from a peer), TTFT percentiles,
+    throughput and the busiest worker's share of the prompt tokens."""
+    res: list[replay.Result] = a["results"]
+    ttft = [r.ttft_s * 1e3 for r in res]
+    prompt = sum(r.prompt_tokens for r in res)
+    cached = sum(r.cached_tokens for r in res)
+    p2p = min(cached, a["p2p_tokens"])  # whole chunks counted: an upper bound of P2P tokens
+    return {
+        "hit_ratio": cached / prompt,
+        "local_hit_ratio": (cached - p2p) / prompt,
+        "p2p_hit_tokens": float(p2p),
+        "ttft_p50_ms": overhead.percentile(ttft, 50),
+        "ttft_p90_ms": overhead.percentile(ttft, 90),
+        "ttft_p99_ms": overhead.percentile(ttft, 99),
+        "req_per_s": len(res) / a["wall_s"],
+        "prompt_tokens_per_s": prompt / a["wall_s"],
+        "max_worker_share": max(a["worker_prompt_share"]),
+        "requests": float(len(res)),
+    }
+
+
+def routing_phase(dom: domain.Domain, model: str, quick: bool) -> dict[str, Any]:
+    cfg = trace_config(quick)
+    trace = agent_trace.generate(cfg)
+    prompts = replay.tokenize_all(dom.worker_urls[0], trace)
+    ideal = agent_trace.ideal_hit_tokens(prompts, int(dom.gateway_config["chunkSize"]))
+    log(f"trace: {len(trace.sessions)} sessions, {len(prompts)} requests, "
+        f"{sum(map(len, prompts))} prompt tokens, ideal hit ratio "
+        f"{sum(ideal) / sum(map(len, prompts)):.3f}")  # fmt: skip
+    concurrency = 3 if quick else 4
+    warm = agent_trace.generate(agent_trace.TraceConfig(seed=99, tenants=1, sessions_per_tenant=1,
+                                                        turns=1, system_words=300))  # fmt: skip
+    warm_prompts = replay.tokenize_all(dom.worker_urls[0], warm)
+    for url in dom.worker_urls:  # first requests of a fresh engine are slow for every router
+        asyncio.run(replay.replay(url, warm, model, 1))
+    replay.clear_workers(dom.worker_urls, dom.controller_url, warm_prompts)
+    arms: dict[str, Any] = {}
+    for name in ARMS:
+        log(f"arm {name}: replaying {len(prompts)} requests, {concurrency} sessions at once")
+        arms[name] = arm(dom, name, trace, model, concurrency)
+        s = summarize_arm(arms[name])
+        log(f"  hit ratio {s['hit_ratio']:.3f}, TTFT p50 {s['ttft_p50_ms']:.0f} ms p90 "
+            f"{s['ttft_p90_ms']:.0f} ms, {s['req_per_s']:.2f} req/s")  # fmt: skip
+        cleared = replay.clear_workers(dom.worker_urls, dom.controller_url, prompts)
+        log(f"  caches cleared in {cleared:.1f}s")
+    return {
+        "arms": arms,
+        "ideal_hit_ratio": sum(ideal) / sum(map(len, prompts)),
+        "trace": {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                  "sessions": len(trace.sessions), "concurrency": concurrency,
+                  **{k: getattr(cfg, k) for k in cfg.__dataclass_fields__}},
+    }  # fmt: skip
+
+
+def table(m: dict[str, float], r: dict[str, float], summaries: dict[str, dict[str, float]]) -> str:
+    lines = [
+        "| routing (agent trace, 3 reference workers) | hit ratio | of it local (not P2P) "
+        "| TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | req/s | busiest worker's share |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in ARMS:
+        s = summaries[name]
+        lines.append(
+            f"| {ARM_LABEL[name]} | {s['hit_ratio']:.3f} | {s['local_hit_ratio']:.3f} | "
+            f"{s['ttft_p50_ms']:.0f} | "
+            f"{s['ttft_p90_ms']:.0f} | {s['ttft_p99_ms']:.0f} | {s['req_per_s']:.2f} | "
+            f"{s['max_worker_share']:.2f} |"
+        )
+    lines.append(f"| ideal (longest shared prefix, any instance) | {m['hit_ratio_ideal']:.3f} "
+                 "| | | | | | |")  # fmt: skip
+    lines += [
+        "",
+        "| overhead (instant upstreams) | kvpool gateway | sglang-router |",
+        "|---|---:|---:|",
+        f"| added latency p50 (ms) | {m['added_latency_p50_ms']:.3f} | "
+        f"{m['sglang_added_latency_p50_ms']:.3f} |",
+        f"| added latency p99 (ms) | {m['added_latency_p99_ms']:.3f} | "
+        f"{m['sglang_added_latency_p99_ms']:.3f} |",
+        f"| max req/s (32 connections) | {m['req_per_s']:,.0f} | {m['sglang_req_per_s']:,.0f} |",
+        f"| (direct to the upstream: p50 {m['direct_latency_p50_ms']:.3f} ms, "
+        f"{m['direct_req_per_s']:,.0f} req/s) | | |",
+        "",
+        "| gateway tokenize path (chat) | 1K tokens | 8K tokens | 32K tokens |",
+        "|---|---:|---:|---:|",
+        f"| ms | {m['tokenize_ms_1k']:.2f} | {m['tokenize_ms_8k']:.2f} | "
+        f"{m['tokenize_ms_32k']:.2f} |",
+        "",
+        "| ratio | value | target |",
+        "|---|---:|---:|",
+        "| TTFT p90, kvpool / sglang-router cache_aware | "
+        f"{r['ttft_p90_vs_sglang_cache_aware']:.3f} | ≤ 0.5 |",
+        f"| req/s, kvpool / sglang-router | {r['req_per_s_vs_sglang']:.3f} | ≥ 0.5 |",
+        f"| added latency p50 (ms) | {m['added_latency_p50_ms']:.3f} | ≤ 1 |",
+    ]
+    return "\n".join(lines)
+
+
+def plot(arms: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for name in ARMS:
+        ttft = sorted(r.ttft_s * 1e3 for r in arms[name]["results"])
+        ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
+        ax.step(ttft, ys, where="post", label=ARM_LABEL[name])
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("Agent trace on 3 reference workers: TTFT distribution per router")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help="small trace, fewer rounds")
+    ap.add_argument("--out", required=True, help="JSON result path")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvpool-gw-bench-") as tmp:
+        dom = domain.Domain.render(Path(tmp))
+        model = str(dom.gateway_config["model"])
+        try:
+            log(f"controller ready in {dom.start(dom.names('controller')):.1f}s")
+            over = overhead_phase(dom, model, args.quick)
+            log(f"workers {dom.names('worker')} ready in {dom.start(dom.names('worker')):.1f}s")
+            routing = routing_phase(dom, model, args.quick)
+            log("tokenization through the gateway's encoder at 1K/8K/32K tokens")
+            tok, encoder = tokenize_bench.run(dom.local_gateway_config(), args.quick)
+        finally:
+            dom.close()
+    summaries = {name: summarize_arm(a) for name, a in routing["arms"].items()}
+    ours, rr, sgl = (summaries[n] for n in ARMS)
+    metrics: dict[str, float] = {
+        "hit_ratio": ours["hit_ratio"],
+        "hit_ratio_round_robin": rr["hit_ratio"],
+        "hit_ratio_sglang_cache_aware": sgl["hit_ratio"],
+        "hit_ratio_ideal": routing["ideal_hit_ratio"],
+        "added_latency_p50_ms": over["kvpool"]["p50_ms"] - over["direct"]["p50_ms"],
+        "added_latency_p99_ms": over["kvpool"]["p99_ms"] - over["direct"]["p99_ms"],
+        "sglang_added_latency_p50_ms": over["sglang"]["p50_ms"] - over["direct"]["p50_ms"],
+        "sglang_added_latency_p99_ms": over["sglang"]["p99_ms"] - over["direct"]["p99_ms"],
+        "direct_latency_p50_ms": over["direct"]["p50_ms"],
+        "direct_latency_p99_ms": over["direct"]["p99_ms"],
+        "req_per_s": over["kvpool"]["req_per_s"],
+        "sglang_req_per_s": over["sglang"]["req_per_s"],
+        "direct_req_per_s": over["direct"]["req_per_s"],
+        "throughput_errors": over["kvpool"]["throughput_errors"],
+        "sglang_throughput_errors": over["sglang"]["throughput_errors"],
+        **tok,
+        "wall_s": time.monotonic() - t0,
+    }
+    for name, suffix in zip(ARMS, ("", "_round_robin", "_sglang_cache_aware"), strict=True):
+        keys = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "req_per_s", "max_worker_share",
+                "local_hit_ratio", "p2p_hit_tokens")  # fmt: skip
+        for key in keys:
+            out_key = f"trace_{key}" if key == "req_per_s" else key
+            metrics[f"{out_key}{suffix}"] = summaries[name][key]
+    ratios = {
+        "ttft_p90_vs_sglang_cache_aware": ours["ttft_p90_ms"] / sgl["ttft_p90_ms"],
+        "ttft_p50_vs_sglang_cache_aware": ours["ttft_p50_ms"] / sgl["ttft_p50_ms"],
+        "ttft_p90_vs_round_robin": ours["ttft_p90_ms"] / rr["ttft_p90_ms"],
+        "req_per_s_vs_sglang": metrics["req_per_s"] / metrics["sglang_req_per_s"],
+        "hit_ratio_vs_sglang_cache_aware": ours["hit_ratio"] / max(sgl["hit_ratio"], 1e-9),
+    }
+    result = {
+        "component": "gateway",
+        "quick": bool(args.quick),
+        "metrics": metrics,
+        "ratios": ratios,
+        "peers": {"sglang-router": domain.sglang_version()},
+        "env": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "workers": len(dom.worker_urls),
+            "pool": str(domain.POOL_FILE.relative_to(HERE.parents[1])),
+            "trace": routing["trace"],
+            "overhead": over,
+            "gateway_encoder": encoder,
+        },
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    plot(routing["arms"], out.with_suffix(".png"))
+    print(table(metrics, ratios, summaries))
+    log(f"wrote {out} and {out.with_suffix('.png')} in {metrics['wall_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

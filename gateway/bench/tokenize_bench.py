@@ -1,0 +1,66 @@
+"""Tokenization cost of the gateway's own tokenize path at 1K/8K/32K tokens (in process).
+
+Why this module exists: the overhead benchmark sends a few-token prompt, so its added latency
+leaves tokenization out; a long agent prompt pays it on every request. Measured here apart,
+through the parts the gateway routes with, wired by its own ``build_state`` from the rendered
+gateway config: the encoder (chat rendering + tokenizer, or a worker's ``/tokenize`` while the
+gateway has no local tokenizer: the encoder's class is reported) and the chunk hasher. Median
+of a few calls per size, on chat bodies of about the given sizes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from typing import Any
+
+from agent_trace import filler
+
+from kvpool.gateway.config import parse_config
+from kvpool.gateway.instances import probe_all
+from kvpool.gateway.state import build_state
+
+SIZES = {"1k": 1024, "8k": 8192, "32k": 32768}
+
+
+def _median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1e3
+
+
+async def _measure(config: dict[str, Any], repeats: int) -> tuple[dict[str, float], str]:
+    state = build_state(parse_config(config))
+    try:
+        await probe_all(
+            state.http, state.instances, state.metrics, 5.0
+        )  # a remote encoder asks a ready one
+        enc = state.encoder
+        out: dict[str, float] = {}
+        for key, target in SIZES.items():
+            text = filler(random.Random(target), target)  # ~1.4 tokens per word: trimmed below
+            words = text.split()
+            ids = await enc.chat([{"role": "user", "content": text}], True)
+            messages = [
+                {"role": "user", "content": " ".join(words[: len(words) * target // len(ids)])}
+            ]
+            tok_s, hash_s = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                ids = await enc.chat(messages, True)
+                t1 = time.perf_counter()
+                state.hasher(ids)
+                tok_s.append(t1 - t0)
+                hash_s.append(time.perf_counter() - t1)
+            out[f"tokenize_ms_{key}"] = _median_ms(tok_s)
+            out[f"hash_ms_{key}"] = _median_ms(hash_s)
+            out[f"tokenize_tokens_{key}"] = float(len(ids))
+        return out, type(enc).__name__
+    finally:
+        await state.http.aclose()
+
+
+def run(config: dict[str, Any], quick: bool) -> tuple[dict[str, float], str]:
+    """Milliseconds per size (tokenize, hash, and the token count reached) and the encoder's
+    class name."""
+    return asyncio.run(_measure(config, 3 if quick else 9))
