@@ -295,12 +295,23 @@ class ApiServer(kmock.KubernetesEmulator):
             for event in backlog:
                 queue.put_nowait(event)
             while True:
-                event = await queue.get()
+                try:
+                    event = await asyncio.wait_for(queue.get(), 0.2)
+                except TimeoutError:
+                    if self._gone(request):
+                        return  # the client hung up: end the stream (aiohttp would wait for it)
+                    continue
                 labels = event["object"].get("metadata", {}).get("labels") or {}
                 if not selector or selector_matches(selector, labels):
                     yield event
         finally:
             self._watchers.remove(watcher)
+
+    @staticmethod
+    def _gone(request: rendering.Request) -> bool:
+        raw = request._raw_request
+        transport = raw.transport if raw is not None else None
+        return transport is None or transport.is_closing()
 
     # -- test conveniences -----------------------------------------------------------------
     def live(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:

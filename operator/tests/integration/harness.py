@@ -57,7 +57,7 @@ def test_settings(**overrides: Any) -> OperatorSettings:
         "health_port": 0,
         "metrics_port": 0,
         "webhook_mode": "none",
-        "drift_interval": 0.5,
+        "drift_interval": 30.0,
         "delete_retry": 0.2,
         "log_format": "text",
         "controller_url": "http://127.0.0.1:9/",

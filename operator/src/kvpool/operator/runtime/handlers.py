@@ -9,6 +9,7 @@ passed in, so tests run several operators (a restart) in one process.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from collections.abc import Callable
@@ -44,6 +45,9 @@ class IndexSource:
         found = self._values("kvpool_pools", (namespace, name))
         return found[0] if found else None
 
+    def pool_keys(self) -> list[tuple[str, str]]:
+        return sorted(self.indexes.get("kvpool_pools", {}))
+
     def members(self, namespace: str, pool: str) -> list[Obj]:
         out = self._values("kvpool_p2pgroups", (namespace, pool))
         out += self._values("kvpool_pdpairs", (namespace, pool))
@@ -61,6 +65,7 @@ class Runtime:
     reconciler: reconcile.Reconciler
     ready: bool = False
     sts_ready: dict[tuple[str, str], bool] = field(default_factory=dict)
+    drift: asyncio.Task[None] | None = None
 
     @classmethod
     def build(cls, settings: OperatorSettings) -> Runtime:
@@ -108,6 +113,7 @@ async def _deregister(rt: Runtime, member: Obj) -> None:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 failed.append(f"{iid}: {exc.__class__.__name__} {exc}")
     if failed:
+        rt.metrics.failed(member["kind"], "deregister")
         message = (
             f"could not deregister {len(failed)} instance(s) from {url} ({'; '.join(failed)}); "
             "the controller purges them after its worker timeout"
@@ -119,6 +125,18 @@ async def _deregister(rt: Runtime, member: Obj) -> None:
             extra={"object": f"{ns}/{member['metadata']['name']}"},
         )
         await rt.client.event(member, "Warning", "DeregisterFailed", message, reconcile.utcnow())
+
+
+async def drift_loop(rt: Runtime) -> None:
+    """The drift timer: every interval, one reconcile pass per known pool (which compares the
+    running pods with the templates). One task for all pools, not a kopf timer per pool."""
+    while True:
+        await asyncio.sleep(rt.settings.drift_interval)
+        for namespace, name in rt.source.pool_keys():
+            try:
+                await rt.reconciler.reconcile(namespace, name)
+            except Exception:  # one failing domain must not stop the checks of the others
+                log.exception("drift check of %s/%s failed", namespace, name)
 
 
 def register(
@@ -142,11 +160,14 @@ def register(
     async def startup(**kw: Any) -> None:
         for name in ("kvpool_pools", "kvpool_p2pgroups", "kvpool_pdpairs"):
             rt.source.indexes[name] = kw[name]
+        rt.drift = asyncio.create_task(drift_loop(rt), name="kvpool drift timer")
         rt.ready = True
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
         rt.ready = False
+        if rt.drift is not None:
+            rt.drift.cancel()
         await rt.client.close()
 
     @kopf.index(*pools, id="kvpool_pools", registry=registry)
@@ -166,10 +187,6 @@ def register(
 
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
         on(*pools, id="reconcile", registry=registry)(reconcile_pool)
-
-    @kopf.timer(*pools, id="drift", interval=rt.settings.drift_interval, registry=registry)
-    async def drift(**kw: Any) -> None:
-        await rt.reconciler.reconcile(kw["namespace"], kw["name"])
 
     @kopf.on.delete(*pools, id="finalize", registry=registry)
     async def delete_pool(**kw: Any) -> None:

@@ -54,6 +54,13 @@ class Metrics:
         self.reconciles.labels(kind, result).inc()
         self.duration.labels(kind).observe(seconds)
 
+    def count(self, kind: str, result: str) -> float:
+        """How many passes of ``kind`` ended with ``result`` so far."""
+        value = self.registry.get_sample_value(
+            "kvpool_operator_reconciles_total", {"kind": kind, "result": result}
+        )
+        return value or 0.0
+
     def failed(self, kind: str, handler: str) -> None:
         self.errors.labels(kind, handler).inc()
 

@@ -127,6 +127,7 @@ class Reconciler:
             await self.apply(plan)
         except Exception:
             self.metrics.reconciled("domain", "error", time.monotonic() - started)
+            self.metrics.failed("domain", "reconcile")
             raise
         result = "invalid" if plan.invalid else "ok"
         self.metrics.reconciled("domain", result, time.monotonic() - started)
