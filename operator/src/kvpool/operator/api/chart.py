@@ -1,7 +1,8 @@
 """ChartValues: the Helm chart's values, modelled so values.schema.json is generated, not typed.
 
 Why: a typo in a Helm values file is otherwise silently ignored; generating the schema from a
-strict model (additionalProperties: false everywhere) makes `helm install` reject it.
+strict model (additionalProperties: false everywhere) makes `helm install` reject it. The
+chart's values.yaml is generated from the same defaults (``python -m kvpool.operator.gen``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ from typing import Literal
 from pydantic import Field
 
 from kvpool.operator.api.common import ApiModel, Resources, Toleration
+
+# The operator process's ports (kvpool.operator.runtime.permissions defines them for the
+# runtime; the chart test checks both agree, the api package stays free of the runtime).
+HEALTH_PORT = 8080
+METRICS_PORT = 8081
+WEBHOOK_PORT = 9443
 
 
 class OperatorImage(ApiModel):
@@ -23,12 +30,73 @@ class OperatorImage(ApiModel):
     )
 
 
+class CertManager(ApiModel):
+    """cert-manager issues the webhook's serving certificate (webhook.certMode cert-manager)."""
+
+    issuer_ref: dict[str, str] = Field(
+        default_factory=dict,
+        description="An existing Issuer/ClusterIssuer ({name, kind}); empty: the chart creates "
+        "a self-signed Issuer.",
+    )
+    duration: str = Field(default="8760h", description="Certificate lifetime. Default 8760h.")
+
+
 class Webhook(ApiModel):
     """The validating admission webhook (runs the same validation as the CLI)."""
 
     enabled: bool = Field(default=True, description="Default true.")
-    port: int = Field(default=9443, ge=1, le=65535, description="Default 9443.")
-    failure_policy: Literal["Fail", "Ignore"] = Field(default="Fail", description="Default Fail.")
+    port: int = Field(default=WEBHOOK_PORT, ge=1, le=65535, description="Default 9443.")
+    cert_mode: Literal["self-signed", "cert-manager"] = Field(
+        default="self-signed",
+        description="self-signed: the operator generates its CA and serving certificate and "
+        "writes the ValidatingWebhookConfiguration kvpool.io itself; cert-manager: the chart "
+        "templates a Certificate and the ValidatingWebhookConfiguration, cert-manager injects "
+        "the CA. Default self-signed.",
+    )
+    failure_policy: Literal["Fail", "Ignore"] = Field(
+        default="Fail", description="cert-manager mode: the webhooks' failurePolicy. Default Fail."
+    )
+    timeout_seconds: int = Field(default=10, ge=1, le=30, description="Default 10.")
+    cert_manager: CertManager = Field(default_factory=CertManager)
+
+
+class ServiceMonitor(ApiModel):
+    """A Prometheus Operator ServiceMonitor for the metrics Service."""
+
+    enabled: bool = Field(default=False, description="Default false (needs the CRD).")
+    interval: str = Field(default="30s", pattern=r"^[0-9]+(ms|s|m|h)$", description="Default 30s.")
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Extra labels (e.g. release: prometheus)."
+    )
+
+
+class Metrics(ApiModel):
+    """Prometheus metrics of reconciles, errors and durations."""
+
+    port: int = Field(default=METRICS_PORT, ge=1, le=65535, description="Default 8081.")
+    service_monitor: ServiceMonitor = Field(default_factory=ServiceMonitor)
+
+
+class NetworkPolicies(ApiModel):
+    """NetworkPolicies keeping the operator's and the domains' internal ports internal."""
+
+    enabled: bool = Field(default=True, description="Default true.")
+    namespaces: list[str] = Field(
+        default_factory=list,
+        description="Namespaces of cache domains whose controller (ZMQ, HTTP) and worker ports "
+        "are opened to their own namespace only. Default: watchNamespaces.",
+    )
+
+
+class ServiceAccount(ApiModel):
+    """The operator's ServiceAccount."""
+
+    create: bool = Field(default=True, description="Default true.")
+    name: str = Field(default="", description="Default: the release's full name.")
+
+
+def _default_resources() -> Resources:
+    return Resources(requests={"cpu": "100m", "memory": "128Mi"}, limits={"memory": "512Mi"})
 
 
 class ChartValues(ApiModel):
@@ -36,15 +104,32 @@ class ChartValues(ApiModel):
 
     image: OperatorImage = Field(default_factory=OperatorImage)
     image_pull_secrets: list[str] = Field(default_factory=list, description="Secret names.")
-    replicas: int = Field(default=1, ge=1, description="Operator replicas (leader-elected).")
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1,
+        description="0 or 1: the operator runs standalone (no kopf peering); a second replica "
+        "would reconcile every resource twice.",
+    )
     watch_namespaces: list[str] = Field(
-        default_factory=list, description="Namespaces to watch; empty means all."
+        default_factory=list,
+        description="Namespaces to watch (Roles there); empty: all (a ClusterRole).",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Default INFO."
     )
+    log_format: Literal["json", "text"] = Field(default="json", description="Default json.")
+    drift_interval_seconds: float = Field(
+        default=30.0, gt=0, description="Seconds between drift checks of each pool. Default 30."
+    )
+    health_port: int = Field(
+        default=HEALTH_PORT, ge=1, le=65535, description="/healthz and /readyz. Default 8080."
+    )
     webhook: Webhook = Field(default_factory=Webhook)
-    resources: Resources = Field(default_factory=Resources)
+    metrics: Metrics = Field(default_factory=Metrics)
+    network_policies: NetworkPolicies = Field(default_factory=NetworkPolicies)
+    service_account: ServiceAccount = Field(default_factory=ServiceAccount)
+    resources: Resources = Field(default_factory=_default_resources)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
-    install_crds: bool = Field(default=True, description="Install the CRDs. Default true.")
+    pod_annotations: dict[str, str] = Field(default_factory=dict)
