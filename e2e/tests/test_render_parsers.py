@@ -63,6 +63,7 @@ COMPANIONS: dict[tuple[str, str, str], dict[tuple[str, ...], Any]] = {
     },
     ("PDPair", "spec.prefill.engine.platform", "cuda"): _PD_CUDA,
     ("PDPair", "spec.decode.engine.platform", "cuda"): _PD_CUDA,
+    ("PDPair", "spec.transfer.bufferDevice", "cuda"): _PD_CUDA,
 }
 
 
@@ -197,6 +198,7 @@ def pod_env(w: Workload, tmp: Path) -> Iterator[dict[str, str]]:
         for ref in w.field_env:  # the kubelet expands $(VAR) of the pod's own env
             value = value.replace(f"$({ref})", POD_IP)
         env[key] = mounts.get(value, value)
+    w.argv = [mounts.get(a, a) for a in w.argv]  # a mounted path a flag names: the local file
     os.environ.clear()
     os.environ.update(env)
     try:
@@ -216,12 +218,17 @@ def _flags(argv: list[str]) -> list[tuple[str, str]]:
     ]
 
 
-def assert_flags_land(parser: Any, argv: list[str], settings: BaseModel) -> None:
-    """Each rendered ``--flag value`` sets the settings field it names, to that value."""
+def assert_flags_land(
+    parser: Any, argv: list[str], settings: Any, loaded: frozenset[str] = frozenset()
+) -> None:
+    """Each rendered ``--flag value`` sets the settings field it names, to that value
+    (``loaded``: flags naming a file the caller checks was loaded instead)."""
     parsed = parser.parse_args(argv)
     actions = {s: a for a in parser._actions for s in a.option_strings}
     for flag, raw in _flags(argv):
         dest = actions[flag].dest
+        if dest in loaded:
+            continue
         value = getattr(parsed, dest)
         landed = getattr(settings, dest, None)
         if isinstance(landed, dict):
@@ -282,7 +289,18 @@ def _gateway_cli() -> types.ModuleType:
     try:
         return importlib.import_module("kvpool.gateway.cli")
     except ImportError as exc:
-        pytest.skip(f"kvpool-gateway has no CLI yet ({exc}): its render is not parsed")
+        pytest.skip(f"kvpool-gateway cannot be imported ({exc}): its render is not parsed")
+
+
+def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, value
 
 
 GATEWAYS = _of("gateway")
@@ -293,12 +311,23 @@ def test_rendered_gateway_parses_and_loads_its_config(
     source: str, w: Workload, tmp_path: Path
 ) -> None:
     gw = _gateway_cli()
-    with pod_env(w, tmp_path):
-        parser = gw.build_parser()
-        args = parser.parse_args(w.argv[1:])
-        settings = gw.settings_from_args(w.argv[1:])
-        assert settings is not None
-        assert vars(args)
+    from kvpool.gateway.config import GatewayEnv
+
+    w = copy.deepcopy(w)
+    with pod_env(w, tmp_path) as env:
+        assert w.argv[:2] == ["kvpool-gateway", "serve"]
+        config, options = gw.settings_from_args(w.argv[1:])
+        serve = gw.build_parser()._subparsers._group_actions[0].choices["serve"]
+        assert_flags_land(serve, w.argv[2:], options, frozenset({"config"}))
+        gateway_env = GatewayEnv()
+        assert gateway_env.hash_seed == env["PYTHONHASHSEED"]
+        if "KVPOOL_GATEWAY_AUTH_TOKEN" in env:
+            assert gateway_env.api_keys()
+    # Every rendered key of gateway.yaml is read back with its rendered value.
+    (text,) = w.files.values()
+    loaded = dict(_leaves(config.model_dump(by_alias=True, mode="json")))
+    for path, value in _leaves(yaml.safe_load(text)):
+        assert loaded.get(path) == value, f"gateway.yaml{path}: rendered {value!r}"
 
 
 MOONCAKE = [v for v in VARIANTS.loads.values() if v[1].component.startswith("mooncake")]

@@ -217,3 +217,15 @@ def test_up_starts_a_cluster_s_order_and_refuses_engines_it_cannot_run(tmp_path:
     )
     with pytest.raises(ls.StackError, match=r"engine\.platform: cpu"):
         start_order(gpu)
+
+
+def test_a_mounted_file_named_by_a_flag_is_the_local_file(
+    objects: list[ls.Obj], tmp_path: Path
+) -> None:
+    """The gateway's ``--config /etc/kvpool/gateway/gateway.yaml`` reads the local copy."""
+    cmap = ls.cluster_map(objects, _ports())
+    w = ls.workloads(objects)["demo-gateway"]
+    lw = ls.localize(w, cmap, tmp_path)
+    local = lw.argv[lw.argv.index("--config") + 1]
+    assert local in lw.files and local != w.argv[w.argv.index("--config") + 1]
+    ls.check_rewrite(w, lw, cmap)

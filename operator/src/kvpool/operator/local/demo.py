@@ -27,7 +27,7 @@ from typing import Any, TextIO
 INSTANCE_HEADER = "x-kvpool-instance"
 REASON_HEADER = "x-kvpool-route-reason"
 SESSION_HEADER = "x-session-id"
-PD_HEADER = "x-kvpool-pd-pair"
+PD_HEADER = "x-kvpool-pd"  # the gateway's PD proxy for the named pair
 
 
 class DemoError(RuntimeError):
@@ -203,31 +203,33 @@ class Demo:
         unique = [{**messages[0], "content": nonce + messages[0]["content"]}, *messages[1:]]
         return chat(base, unique, headers).ttft_s
 
-    def turn(self, session: str, user: str, label: str, *, direct: str | None = None) -> Turn:
-        """One user turn of ``session``: through the gateway, or ``direct`` to a worker."""
+    def turn(self, session: str, user: str, label: str, *, move_to: str | None = None) -> Turn:
+        """One user turn of ``session`` through the gateway (``move_to``: pinned there)."""
         history = self.sessions.setdefault(session, [{"role": "system", "content": self.system}])
         messages = [*history, {"role": "user", "content": user}]
         held = self.holders(messages)
-        base = self.domain.p2p[direct] if direct else self.domain.gateway
         headers = {SESSION_HEADER: session}
-        reply = chat(base, messages, headers)
-        if direct:
-            instance, reason = direct, "moved here by the demo (client sent it directly)"
-        else:
-            if INSTANCE_HEADER not in reply.headers:
-                raise DemoError(
-                    f"the gateway's reply has no {INSTANCE_HEADER} header: cannot tell which "
-                    "instance served the turn"
-                )
-            instance = reply.headers[INSTANCE_HEADER]
-            reason = reply.headers.get(REASON_HEADER, "(gateway gave no reason)")
-        pinned = self.domain.p2p.get(instance)
-        cold = self.cold(pinned, messages, headers) if pinned else None
+        if move_to:
+            headers[INSTANCE_HEADER] = move_to
+        reply = chat(self.domain.gateway, messages, headers)
+        if INSTANCE_HEADER not in reply.headers:
+            raise DemoError(
+                f"the gateway's reply has no {INSTANCE_HEADER} header: cannot tell which "
+                "instance served the turn"
+            )
+        instance = reply.headers[INSTANCE_HEADER]
+        reason = reply.headers.get(REASON_HEADER, "(gateway gave no reason)")
+        if move_to and instance != move_to:
+            raise DemoError(f"{label}: pinned to {move_to}, the gateway sent it to {instance}")
+        pin = {INSTANCE_HEADER: instance}  # cold: the same instance, through the gateway too
+        cold = (
+            self.cold(self.domain.gateway, messages, pin) if instance in self.domain.p2p else None
+        )
         history += [{"role": "user", "content": user}, {"role": "assistant", "content": reply.text}]
         t = Turn(
             label,
             session,
-            "moved" if direct else "chat",
+            "moved" if move_to else "chat",
             instance,
             reason,
             reply.prompt_tokens,
@@ -239,15 +241,22 @@ class Demo:
         )
         self.turns.append(t)
         self.say(
-            f"  {label:<22} {instance:<16} hit {t.hit_tokens:>5}/{t.prompt_tokens:<5} "
-            f"TTFT {t.ttft_s * 1000:6.0f} ms (cold {_ms(t.cold_ttft_s)})"
+            f"  {label:<24} {instance:<11} ({reason}) hit {t.hit_tokens:>5}/{t.prompt_tokens:<5}"
+            f" TTFT {t.ttft_s * 1000:5.0f} ms, cold {_ms(t.cold_ttft_s)}"
         )
         return t
 
     def memory(self, verb: str, session: str) -> dict[str, Any]:
         """``/memory/<verb>`` through the gateway, for one session's prefix."""
         out = post(f"{self.domain.gateway}/memory/{verb}", {"session_id": session})
-        self.say(f"  /memory/{verb} {session}: {json.dumps(out, sort_keys=True)}")
+        if not out.get("ok"):
+            raise DemoError(f"/memory/{verb} {session}: {json.dumps(out)[:400]}")
+        done = {
+            name: report.get("result")
+            for name, report in out.get("instances", {}).items()
+            if any(v for v in (report.get("result") or {}).values() if isinstance(v, int))
+        }
+        self.say(f"  /memory/{verb} {session}: {json.dumps(done, sort_keys=True)}")
         return out
 
     def pd(self, label: str, user: str, pair: str) -> Turn:
@@ -266,7 +275,10 @@ class Demo:
             reply.ttft_s, None, reply.text,
         )  # fmt: skip
         self.turns.append(t)
-        self.say(f"  {label:<22} {instance:<16} transferred {t.hit_tokens} tokens")
+        self.say(
+            f"  {label:<24} {instance} transferred {t.hit_tokens}/{t.prompt_tokens} tokens, "
+            f"TTFT {t.ttft_s * 1000:.0f} ms"
+        )
         return t
 
     def run(self) -> None:
@@ -274,7 +286,10 @@ class Demo:
         names = sorted(self.domain.p2p)
         if len(names) < 2:
             raise DemoError(f"the demo needs two P2P instances, the domain has {names}")
-        self.say("turns (session shares the system prompt; later turns carry the history):")
+        for name, url in sorted(self.domain.p2p.items()):  # first-call costs stay out of TTFTs
+            chat(url, [{"role": "user", "content": "warm-up"}], {}, max_tokens=2)
+            self.say(f"  warmed up {name}")
+        self.say("turns (sessions share the system prompt; later turns carry the history):")
         self.turn("alice", "What does rule 3 say about account 3?", "alice turn 1")
         self.turn("bob", "Summarise the rules for account 5.", "bob turn 1")
         self.turn("alice", "And what about account 4?", "alice turn 2")
@@ -285,7 +300,7 @@ class Demo:
         self.turn("bob", "Now the currency rule.", "bob turn 4 (prefetched)")
         served = self.turns[2].instance
         other = next(n for n in names if n != served)
-        self.turn("alice", "One more: account 6?", "alice turn 3 (moved)", direct=other)
+        self.turn("alice", "One more: account 6?", "alice turn 3 (moved)", move_to=other)
         for i, pair in enumerate(self.domain.pd_pairs * 2):
             self.pd(f"pd request {i + 1}", f"Audit account {i + 7} under every rule.", pair)
 

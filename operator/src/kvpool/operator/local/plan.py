@@ -303,12 +303,14 @@ def localize(
 ) -> LocalWorkload:
     """Apply exactly the cluster-provided rewrites to one workload (``root``: where its files
     go; ``secrets``: the value of each (Secret, key) the pod reads, which a cluster holds)."""
+    file_map = {path: str(root / Path(path).name) for path in sorted(w.files)}
     argv = list(w.argv)
     for i in range(1, len(argv)):
         flag = argv[i - 1]
-        if flag.startswith("--") and not argv[i].startswith("--"):
+        if argv[i] in file_map:
+            argv[i] = file_map[argv[i]]  # a mounted file named on the command line
+        elif flag.startswith("--") and not argv[i].startswith("--"):
             argv[i] = _by_key(flag, argv[i], cmap)
-    file_map = {path: str(root / Path(path).name) for path in sorted(w.files)}
     env = {k: file_map.get(v, _by_key(k, v, cmap)) for k, v in w.env.items()}
     for key, ref in w.field_env.items():
         if ref != "status.podIP":

@@ -280,7 +280,12 @@ class LocalStack:
         while time.monotonic() < deadline and any(r.proc.poll() is None for r in runs):
             time.sleep(0.1)
         for run in runs:
-            stop_group(run.proc.pid, 0.0, run.proc)
+            if run.proc.poll() is None:
+                logger.warning("%s ignored SIGTERM for %.0fs: killing", run.workload.name, grace_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.proc.pid, signal.SIGKILL)  # stragglers of the group, too
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                run.proc.wait(timeout=5)
 
     def manifest(self) -> dict[str, Any]:
         """What runs (pid, process group, ports, log) and every rewrite of the render."""
