@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from kvpool.operator.loader import Loaded, LoadError, load_text
+from kvpool.operator.derive.defaults import domain_defaults
+from kvpool.operator.loader import load_files
 from kvpool.operator.quantity import format_bytes
 from kvpool.operator.render import render_domain
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
@@ -22,29 +23,17 @@ from kvpool.operator.validation import errors, memory_budgets, validate_domain, 
 from kvpool.operator.yamlfmt import dump_all
 
 
-def _load(files: Sequence[str]) -> Loaded:
-    loaded = Loaded()
-    for name in files:
-        path = Path(name)
-        try:
-            text = sys.stdin.read() if name == "-" else path.read_text(encoding="utf-8")
-        except OSError as exc:
-            loaded.errors.append(LoadError(name, f"cannot read ({exc.strerror})", "check the path"))
-            continue
-        load_text(text, name, loaded)
-    return loaded
-
-
-def cmd_validate(files: Sequence[str], out: TextIO) -> int:
-    """Print every problem and each member's memory budget; 1 if there is an error."""
-    loaded = _load(files)
+def cmd_validate(files: Sequence[str], out: TextIO, *, recursive: bool = False) -> int:
+    """Print every problem, the defaults kvpool fills in and each member's memory budget, then
+    one summary line whose error count (load errors included) decides the exit status."""
+    loaded = load_files(files, recursive=recursive)
     domains = loaded.domains()
-    n_errors = len(loaded.errors)
+    n_errors, n_warnings = len(loaded.errors), 0
     for err in loaded.errors:
         print(err, file=out)
     if not domains and not loaded.errors:
         print("ERROR no KVCachePool found in the given files", file=out)
-        return 1
+        n_errors += 1
     for domain in domains:
         pool = domain.pool
         print(
@@ -63,17 +52,19 @@ def cmd_validate(files: Sequence[str], out: TextIO) -> int:
                 f"{format_bytes(budget.chunk_bytes_per_rank)}/rank)",
                 file=out,
             )
+        for filled in domain_defaults(pool, domain.members):
+            print(f"  default {filled}", file=out)
         n_errors += len(errors(problems))
-        print(
-            f"  => {len(errors(problems))} error(s), {len(warnings(problems))} warning(s)",
-            file=out,
-        )
+        n_warnings += len(warnings(problems))
+    print(f"=> {n_errors} error(s), {n_warnings} warning(s)", file=out)
     return 1 if n_errors else 0
 
 
-def cmd_render(files: Sequence[str], fmt: str, out: TextIO, err: TextIO) -> int:
+def cmd_render(
+    files: Sequence[str], fmt: str, out: TextIO, err: TextIO, *, recursive: bool = False
+) -> int:
     """Print the child objects of every domain; refuse (exit 1) if validation has errors."""
-    loaded = _load(files)
+    loaded = load_files(files, recursive=recursive)
     domains = loaded.domains()
     failed = [str(e) for e in loaded.errors]
     for domain in domains:
@@ -120,16 +111,27 @@ def cmd_local(args: argparse.Namespace) -> int:
         return 1
 
 
+_FILE_HELP = "YAML/JSON file or directory (repeatable), - = stdin"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvpool-operator`` console script."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["run"]:  # its flags are the settings class's (kvpool-operator run --help)
+        from kvpool.operator.runtime.main import main as run  # noqa: PLC0415 (kopf on demand)
+
+        return run(given[1:])
     parser = argparse.ArgumentParser(
         prog="kvpool-operator", description="Validate and render kvpool cache domains offline."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="print every problem of the given resources")
-    v.add_argument("-f", "--filename", action="append", required=True, help="YAML file, - = stdin")
+    v.add_argument("-f", "--filename", action="append", required=True, help=_FILE_HELP)
+    v.add_argument("-R", "--recursive", action="store_true", help="read -f directories deeply")
+    sub.add_parser("run", help="run the operator in a cluster (kopf; see run --help)")
     r = sub.add_parser("render", help="print the Kubernetes objects the operator would create")
-    r.add_argument("-f", "--filename", action="append", required=True, help="YAML file, - = stdin")
+    r.add_argument("-f", "--filename", action="append", required=True, help=_FILE_HELP)
+    r.add_argument("-R", "--recursive", action="store_true", help="read -f directories deeply")
     r.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
     u = sub.add_parser("up", help="run the render as local processes on 127.0.0.1 until Ctrl-C")
     u.add_argument("-f", "--filename", action="append", required=True, help="YAML file")
@@ -144,10 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     m.add_argument("--plot", default="bench-results/demo.png", help="PNG written at the end")
     args = parser.parse_args(argv)
     if args.command == "validate":
-        return cmd_validate(args.filename, sys.stdout)
+        return cmd_validate(args.filename, sys.stdout, recursive=args.recursive)
     if args.command in ("up", "down", "demo"):
         return cmd_local(args)
-    return cmd_render(args.filename, args.output, sys.stdout, sys.stderr)
+    return cmd_render(args.filename, args.output, sys.stdout, sys.stderr, recursive=args.recursive)
 
 
 if __name__ == "__main__":  # pragma: no cover
