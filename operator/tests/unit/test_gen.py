@@ -74,7 +74,9 @@ def test_crd_is_valid_apiextensions_v1(kind: str) -> None:
 def test_crd_schema_is_structural(kind: str) -> None:
     version = CRDS[kind]["spec"]["versions"][0]
     assert _walk(version["schema"]["openAPIV3Schema"]) == []
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"]["status"] == {}
+    if version["subresources"].get("scale"):  # P2PGroup: kubectl scale --replicas
+        assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     columns = [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c]
     if kind == "KVCachePool":
         assert columns == ["Ready", "Domain", "Seed", "Members", "Age"]

@@ -79,3 +79,21 @@ def test_unparseable_engine_memory_is_refused_not_a_traceback() -> None:
     group = p2p(engine={"resources": {"requests": {"memory": "500m"}}})
     (problem,) = _code(pool(), group, code="engine.memory")
     assert problem.path == "P2PGroup/grp: spec.engine.resources.requests.memory"
+
+
+def test_override_values_lmcache_refuses_are_refused_here() -> None:
+    bad = pd(
+        decode={
+            "engine": {
+                "platform": "ascend",
+                "lmcacheOverrides": {"store_location": "PDBackend", "pd_backend_mode": "fast"},
+            }
+        }
+    )
+    problems = _code(pool(), bad, code="override.value")
+    assert sorted(p.path.rsplit(".", 1)[1] for p in problems) == [
+        "pd_backend_mode",
+        "store_location",
+    ]
+    ok = p2p(engine={"lmcacheOverrides": {"min_retrieve_tokens": 64, "pd_backend_mode": "async"}})
+    assert _code(pool(), ok, code="override.value") == []

@@ -155,6 +155,18 @@ def printer_columns(kind: str) -> list[dict[str, Any]]:
     ]
 
 
+def _subresources(kind: str) -> dict[str, Any]:
+    """status for every kind; scale for P2PGroup, so ``kubectl scale p2pgroup X --replicas=0``
+    works (a PDPair has two replica counts, which the scale subresource cannot express)."""
+    out: dict[str, Any] = {"status": {}}
+    if kind == "P2PGroup":
+        out["scale"] = {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.instancesReady",
+        }
+    return out
+
+
 def crd(
     kind: str, plural: str, short: list[str], spec: type[BaseModel], status: type[BaseModel]
 ) -> dict[str, Any]:
@@ -182,7 +194,7 @@ def crd(
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": _subresources(kind),
                     "additionalPrinterColumns": printer_columns(kind),
                     "schema": {
                         "openAPIV3Schema": {

@@ -210,6 +210,20 @@ def _override(member: P2PGroup | PDPair, path: str, key: str, platform: str) -> 
     return Problem(where(member, field), message, fix, rule=6, code="override", patch=drop)
 
 
+def _override_value(member: P2PGroup | PDPair, path: str, key: str, value: object) -> str | None:
+    """What LMCache 0.5.6's config validation (or its PD backend) refuses in an allowed key."""
+    if key == "min_retrieve_tokens" and (not isinstance(value, int) or value < 0):
+        return "LMCache requires min_retrieve_tokens >= 0 (it raises ValueError)"
+    if key == "pd_backend_mode" and value not in ("sync", "async"):
+        return "LMCache requires pd_backend_mode 'sync' or 'async' (it raises ValueError)"
+    if isinstance(member, PDPair) and path == "spec.decode.engine":
+        if key == "store_location" and value == "PDBackend":
+            return "store_location cannot be PDBackend on a PD receiver (LMCache asserts it)"
+        if key == "retrieve_locations" and value not in (None, ["PDBackend"]):
+            return 'a PD receiver retrieves from ["PDBackend"] only (LMCache asserts it)'
+    return None
+
+
 def rule6_and_overrides(pool: KVCachePool, members: Members) -> list[Problem]:
     """p2p_pull_pending_ttl only from extra_config; overrides only of known keys kvpool does
     not own (the owned keys are what kvpool's LMCache config builders emit)."""
@@ -220,6 +234,20 @@ def rule6_and_overrides(pool: KVCachePool, members: Members) -> list[Problem]:
                 problem = _override(member, path, key, engine.platform)
                 if problem is not None:
                     out.append(problem)
+                    continue
+                refused = _override_value(member, path, key, engine.lmcache_overrides[key])
+                if refused is not None:
+                    field = f"{path}.lmcacheOverrides.{key}"
+                    out.append(
+                        Problem(
+                            where(member, field),
+                            refused,
+                            f"remove lmcacheOverrides.{key} (LMCache's default applies)",
+                            rule=6,
+                            code="override.value",
+                            patch=(remove_field(member, field),),
+                        )
+                    )
     return out
 
 
