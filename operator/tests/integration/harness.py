@@ -33,6 +33,7 @@ PLURALS = {
     "Pod": "api/v1/namespaces/{ns}/pods",
     "StatefulSet": "apis/apps/v1/namespaces/{ns}/statefulsets",
     "ConfigMap": "api/v1/namespaces/{ns}/configmaps",
+    "PodDisruptionBudget": "apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
 }
 
 

@@ -59,6 +59,9 @@ KINDS: dict[str, Kind] = {
     "PodDisruptionBudget": Kind("policy/v1", "poddisruptionbudgets"),
 }
 
+#: Sent with every request, so audit logs (and the RBAC test) can tell the operator's calls.
+USER_AGENT = "kvpool-operator/0.1"
+
 #: Kinds the renderer emits: listed per domain to find what to prune.
 CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget")
 
@@ -108,7 +111,7 @@ class KubeClient:
         if self._creds is None:
             raise RuntimeError("KubeClient used before the operator logged in")
         if self._session is None or self._session.closed:
-            headers = {"Accept": "application/json"}
+            headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
             if self._creds.token:
                 headers["Authorization"] = f"{self._creds.scheme or 'Bearer'} {self._creds.token}"
             self._session = aiohttp.ClientSession(
@@ -155,15 +158,6 @@ class KubeClient:
                     str(payload.get("message", "")),
                 )
             return payload
-
-    async def get(self, kind: str, namespace: str, name: str) -> Obj | None:
-        """The object, or None when it does not exist."""
-        try:
-            return await self._call("GET", kind, "get", KINDS[kind].path(namespace, name))
-        except ApiError as exc:
-            if exc.status == 404:
-                return None
-            raise
 
     async def list(
         self, kind: str, namespace: str, labels: Mapping[str, str] | None = None

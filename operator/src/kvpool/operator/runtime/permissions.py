@@ -54,15 +54,15 @@ class Permission:
     why: str = ""
 
 
-_CHILD_VERBS: tuple[Verb, ...] = ("get", "list", "create", "patch", "delete")
+_CHILD_VERBS: tuple[Verb, ...] = ("list", "create", "patch", "delete")
 
 PERMISSIONS: tuple[Permission, ...] = (
     *(
-        Permission(GROUP, plural, ("get", "list", "watch", "patch"), why="reconcile, finalizers")
+        Permission(GROUP, plural, ("list", "watch", "patch"), why="kopf's watch, finalizers")
         for plural in ("kvcachepools", "p2pgroups", "pdpairs")
     ),
     *(
-        Permission(GROUP, f"{plural}/status", ("get", "patch"), why="conditions and status")
+        Permission(GROUP, f"{plural}/status", ("patch",), why="conditions and status")
         for plural in ("kvcachepools", "p2pgroups", "pdpairs")
     ),
     Permission("", "configmaps", _CHILD_VERBS, why="domain seed, LMCache and gateway config"),
