@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from fakes import serving
-from test_real_workers import BIN, FACTS, SEED, Procs, base_env, free_port
+from realstack import BIN, FACTS, SEED, Procs, base_env, free_port
 
 from kvpool.gateway.app import build_app
 from kvpool.gateway.config import GatewayEnv, parse_config
@@ -60,7 +60,8 @@ def pair(tmp_path: Path) -> Iterator[dict[str, Any]]:
                 [str(BIN / "kvpool-worker"), "serve", "--engine", "reference", "--platform", "cpu",
                  "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
                  "--block-size", "16", "--kv-dtype", "float32", "--num-kv-blocks", "256"],
-                {**base_env(), "LMCACHE_CONFIG_FILE": str(path), "LMCACHE_PD_PEER_HOST": "127.0.0.1"},
+                {**base_env(), "LMCACHE_CONFIG_FILE": str(path),
+                 "LMCACHE_PD_PEER_HOST": "127.0.0.1"},
             )  # fmt: skip
             urls[role] = f"http://127.0.0.1:{port}"
         for role, url in urls.items():

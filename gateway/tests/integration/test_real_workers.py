@@ -11,90 +11,27 @@ worker that holds the first turn's KV, and that worker reports LMCache-cached pr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from fakes import bound_socket, serving
+from fakes import serving
+from realstack import BIN, FACTS, SEED, Procs, base_env, free_port
 
+import kvpool.worker
 from kvpool.gateway.app import build_app
 from kvpool.gateway.config import GatewayEnv, parse_config
+from kvpool.gateway.prompts import LocalEncoder, RemoteEncoder
 from kvpool.gateway.state import build_state
-from kvpool.protocol.domain import DomainFacts, domain_fingerprint, instance_id
+from kvpool.protocol.domain import domain_fingerprint, instance_id
 
 pytestmark = pytest.mark.timeout(400)
-SEED = "42"
-FACTS = DomainFacts(16, 256, "builtin", SEED, "float32", "kvpool/reference-tiny")
-BIN = Path(sys.executable).parent
-READY_S = 180
-
-
-def free_port() -> int:
-    s = bound_socket()
-    port = int(s.getsockname()[1])
-    s.close()
-    return port
-
-
-def base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "KVPOOL_"))}
-    env.update(
-        PYTHONUNBUFFERED="1",
-        LMCACHE_TRACK_USAGE="false",
-        VLLM_ENABLE_V1_MULTIPROCESSING="1",
-        VLLM_WORKER_MULTIPROC_METHOD="spawn",
-        PYTHONHASHSEED=SEED,
-        KVPOOL_DOMAIN_FINGERPRINT=domain_fingerprint(FACTS),
-        OMP_NUM_THREADS="1",
-    )
-    return env
-
-
-class Procs:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        log = (self.root / f"{name}.log").open("wb")
-        self.procs[name] = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def log(self, name: str) -> str:
-        return (self.root / f"{name}.log").read_text(errors="replace")[-3000:]
-
-    def wait_ready(self, name: str, url: str) -> None:
-        end = time.monotonic() + READY_S
-        while time.monotonic() < end:
-            proc = self.procs[name]
-            if proc.poll() is not None:
-                pytest.fail(f"{name} exited {proc.returncode}:\n{self.log(name)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    return
-            time.sleep(0.3)
-        pytest.fail(f"{name} not ready in {READY_S}s:\n{self.log(name)}")
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+#: The reference engine's tokenizer files (what a pod would mount for the gateway).
+REFERENCE_TOKENIZER = Path(kvpool.worker.__file__).parent / "assets"
 
 
 @pytest.fixture
@@ -168,6 +105,7 @@ async def test_streamed_chat_then_next_turn_hits_its_kv_through_routing(
         "controllerSnapshotUrl": domain["snapshot"],
         "p2pGroups": [{"name": "g", "instances": domain["workers"]}],
         "limits": {"healthIntervalSeconds": 0.5},
+        "tokenizer": str(REFERENCE_TOKENIZER),  # the gateway tokenizes locally
     }
     state = build_state(
         parse_config(raw), GatewayEnv(PYTHONHASHSEED=SEED), pd_bind_host="127.0.0.1"
@@ -180,6 +118,12 @@ async def test_streamed_chat_then_next_turn_hits_its_kv_through_routing(
                 break
             await asyncio.sleep(0.1)
         assert state.index.in_sync, state.index.describe()
+        # the gateway's token ids are the engine's, for chat and for text
+        assert isinstance(state.encoder, LocalEncoder)
+        remote = RemoteEncoder(state.instances, state.http)
+        assert await state.encoder.chat(msgs, True) == await remote.chat(msgs, True)
+        text = "Über den Fluß, 32 stones — and <|im_end|> too."
+        assert await state.encoder.completion(text) == await remote.completion(text)
         # turn 1, streamed: SSE passes through, the first event comes before the end
         async with c.stream("POST", "/v1/chat/completions", json=turn(msgs, True)) as r:
             assert r.status_code == 200, await r.aread()
@@ -245,3 +189,20 @@ async def test_streamed_chat_then_next_turn_hits_its_kv_through_routing(
             await asyncio.sleep(0.1)
         assert state.index.in_sync and state.index.replica.epoch != old_epoch
         assert (await c.get("/readyz")).json()["status"] == "ready"
+
+        # an instance killed mid-stream: the client's stream ends with an error event, and
+        # the next request goes to the surviving instance
+        long = {"prompt": "An endless tale of the river", "max_tokens": 400, "ignore_eos": True,
+                "temperature": 0, "stream": True}  # fmt: skip
+        pin = {"x-kvpool-instance": first_instance}
+        async with c.stream("POST", "/v1/completions", json=long, headers=pin) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            first = await anext(ln async for ln in lines if ln.startswith("data: "))
+            assert json.loads(first[6:])["choices"]
+            procs.procs[first_instance].kill()
+            rest = [ln[6:] async for ln in lines if ln.startswith("data: ")]
+        assert json.loads(rest[-1])["error"]["code"] == "upstream_cut"
+        other = next(w["name"] for w in domain["workers"] if w["name"] != first_instance)
+        r4 = await c.post("/v1/chat/completions", json=turn(msgs2, False))
+        assert r4.status_code == 200 and r4.headers["x-kvpool-instance"] == other

@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_REFUSED
     try:
         return serve(config, options)
-    except OSError as exc:
+    except (OSError, ConfigError) as exc:
         print(f"kvpool-gateway: {exc}", file=sys.stderr)
         return EXIT_REFUSED
 

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvpool.protocol.chat import content_text
+
 MAX_SESSION_ID = 256
 
 
@@ -41,16 +43,8 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts: list[str] = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        """Plain text of the message (text content parts joined), as the worker reads it."""
+        return content_text(self.content)
 
 
 class ChatBody(_Body):

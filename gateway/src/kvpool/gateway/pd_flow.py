@@ -128,7 +128,12 @@ async def serve_pd(
         max_tokens if max_tokens is not None else (None if chat else DEFAULT_COMPLETION_MAX_TOKENS)
     )
     kv_params = {"ret_first_tok": True, "disagg_spec": target.disagg_spec(req_id)}
-    body = {**_base(data), "prompt": tokens, "max_tokens": 1, "stream": False,
+    base = _base(data)
+    if chat:  # a chat turn ends at the template's end-of-turn token, as on /v1/chat/completions
+        stops = [*(data.get("stop_token_ids") or []), *state.encoder.chat_stop_token_ids()]
+        if stops:
+            base["stop_token_ids"] = list(dict.fromkeys(stops))
+    body = {**base, "prompt": tokens, "max_tokens": 1, "stream": False,
             "kv_transfer_params": kv_params}  # fmt: skip
     try:
         pre = await _prefill(state, sel.admit(p_inst, prompt, p_decision), body)
@@ -143,7 +148,7 @@ async def serve_pd(
         state.metrics.pd_transfers.labels(pair_name, "prefill_only").inc()
         return _single(pre, chat, bool(data.get("stream")), on_done)
     landed = await state.pd.wait_transfer(req_id, event, pair_name)
-    decode = {**_base(data), "prompt": [*tokens, first_tok], "stream": bool(data.get("stream"))}
+    decode = {**base, "prompt": [*tokens, first_tok], "stream": bool(data.get("stream"))}
     if wanted is not None:
         decode["max_tokens"] = wanted - 1
     if data.get("stream_options") is not None:

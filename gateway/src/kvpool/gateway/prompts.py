@@ -10,15 +10,17 @@ engine's. When the gateway has no tokenizer file it asks one ready instance's ``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import httpx
 
-from kvpool.gateway.config import GatewayConfig
+from kvpool.gateway.config import ConfigError, GatewayConfig
 from kvpool.gateway.errors import GatewayError, bad_request, upstream_error
 from kvpool.gateway.instances import InstanceSet
 from kvpool.gateway.models import ChatBody, CompletionBody
+from kvpool.protocol.chat import ChatError, ChatMessage, TextTokenizer, content_text, load_tokenizer
 
 TOKENIZE_TIMEOUT_S = 5.0
 
@@ -31,6 +33,10 @@ class Encoder(Protocol):
     async def chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool
     ) -> list[int]: ...
+
+    def chat_stop_token_ids(self) -> tuple[int, ...]:
+        """Tokens that end an assistant turn (added to PD requests sent as completions)."""
+        ...
 
 
 class RemoteEncoder:
@@ -66,15 +72,62 @@ class RemoteEncoder:
     async def completion(self, prompt: str) -> list[int]:
         return await self._tokenize({"prompt": prompt})
 
+    def chat_stop_token_ids(self) -> tuple[int, ...]:
+        return ()  # unknown without the tokenizer: configure ``tokenizer`` for PD chat
+
     async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         return await self._tokenize(
             {"messages": messages, "add_generation_prompt": add_generation_prompt}
         )
 
 
+class LocalEncoder:
+    """Tokenizes in the gateway with kvpool.protocol's tokenizer (the worker's own code).
+
+    Long inputs are tokenized on a worker thread so one 32K-token prompt does not stall
+    every other request on the event loop.
+    """
+
+    INLINE_CHARS = 4096
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    async def _run(self, size: int, fn: Callable[[], list[int]]) -> list[int]:
+        if size <= self.INLINE_CHARS:
+            return fn()
+        return await asyncio.to_thread(fn)
+
+    async def completion(self, prompt: str) -> list[int]:
+        return await self._run(len(prompt), lambda: self.tokenizer.encode(prompt))
+
+    def chat_stop_token_ids(self) -> tuple[int, ...]:
+        return self.tokenizer.chat_stop_token_ids()
+
+    async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        msgs = [ChatMessage(str(m["role"]), content_text(m.get("content"))) for m in messages]
+        size = sum(len(m.content) for m in msgs)
+
+        def render() -> list[int]:
+            try:
+                return self.tokenizer.chat_token_ids(
+                    msgs, add_generation_prompt=add_generation_prompt
+                )
+            except ChatError as exc:
+                raise bad_request(f"{exc.param}: {exc}", exc.param) from exc
+
+        return await self._run(size, render)
+
+
 def encoder_for(config: GatewayConfig, instances: InstanceSet, http: httpx.AsyncClient) -> Encoder:
-    """The encoder the gateway uses for ``config``."""
-    return RemoteEncoder(instances, http)
+    """The encoder for ``config``: local when ``tokenizer`` names the model's tokenizer
+    files, else the workers' own ``/tokenize`` (exact too, one round trip more)."""
+    if config.tokenizer is None:
+        return RemoteEncoder(instances, http)
+    try:
+        return LocalEncoder(load_tokenizer(config.tokenizer))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer: {exc}") from None
 
 
 async def completion_tokens(encoder: Encoder, body: CompletionBody) -> list[int]:
