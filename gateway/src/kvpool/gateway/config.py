@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic.alias_generators import to_camel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvpool.protocol.hashing import HashConfig, HashConfigError
+
 
 class ConfigError(Exception):
     """The configuration is wrong; the message names the file, the key and the fix."""
@@ -111,6 +113,23 @@ class GatewayConfig(_Model):
 
     def peer_instances(self) -> list[InstanceRef]:
         return [inst for group in self.p2p_groups for inst in group.instances]
+
+    def hash_config(self, hash_seed: str | None, *, save_unfull_chunk: bool = False) -> HashConfig:
+        """The domain's LMCache hashing regime (routing and ``kvpool-gateway hashes`` both use
+        this). The trailing partial chunk is not hashed by default: it never routes.
+        ``hash_seed`` is the domain's PYTHONHASHSEED; a regime nobody can reproduce (vLLM
+        without a seed) is a :class:`ConfigError` naming the variable."""
+        try:
+            return HashConfig(
+                chunk_size=self.chunk_size,
+                hash_algorithm=self.hash_algorithm,
+                hash_seed=hash_seed,
+                save_unfull_chunk=save_unfull_chunk,
+                vllm=self.vllm,
+            )
+        except HashConfigError as exc:
+            where = {"hash_seed": "PYTHONHASHSEED"}.get(exc.field, to_camel(exc.field))
+            raise ConfigError(f"{where}: {exc.reason}") from None
 
 
 class GatewayEnv(BaseSettings):

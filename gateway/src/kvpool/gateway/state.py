@@ -32,7 +32,7 @@ from kvpool.gateway.proxy import Proxy
 from kvpool.gateway.reliability import KeyedBuckets
 from kvpool.gateway.routing import Guards, Router, make_policy
 from kvpool.gateway.selection import Selector
-from kvpool.protocol.hashing import HashConfig, chunk_hashes
+from kvpool.protocol.hashing import chunk_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -140,12 +140,7 @@ def build_state(
         config.chunk_size,
     )
     proxy = Proxy(http, load, metrics, limits.retries, limits.upstream_timeout_seconds)
-    hash_config = HashConfig(
-        chunk_size=config.chunk_size,
-        hash_algorithm=config.hash_algorithm,
-        hash_seed=env.hash_seed,
-        vllm=config.vllm,
-    )
+    hash_config = config.hash_config(env.hash_seed)
 
     def hasher(tokens: Sequence[int]) -> list[int]:
         return chunk_hashes(tokens, hash_config)

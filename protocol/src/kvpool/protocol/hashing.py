@@ -62,9 +62,10 @@ _MASK64 = (1 << 64) - 1
 class HashConfigError(ValueError):
     """A hashing regime that LMCache cannot run, or that nobody can reproduce."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field  # the HashConfig field to fix
+        self.reason = reason  # what is wrong with it (callers name the field their own way)
 
 
 @dataclass(frozen=True)
