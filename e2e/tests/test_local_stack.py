@@ -164,6 +164,48 @@ def test_killed_worker_leaves_the_index_and_lookups_never_hang(domain: Domain) -
     assert prefix_hits(controller, toks).get(me_a) == full
 
 
+def test_gateway_routes_to_the_instance_holding_the_prefix(domain: Domain) -> None:
+    """A prefix only ``demo-p2p-1`` computed: the gateway (kv-aware, fed by the controller's
+    index) sends the next request for it there, says why, and the worker hits its KV."""
+    gateway, controller = domain.url("demo-gateway"), domain.url("demo-controller")
+    b, me_b = domain.url("demo-p2p-1"), domain.instance_id("demo-p2p-1")
+    msgs = messages("the routing", 70)
+    toks = tokens(b, msgs)
+    full = len(toks) // CHUNK
+    chat(b, msgs)
+    poll("B's chunks", lambda: prefix_hits(controller, toks).get(me_b, 0) >= full)
+    for _ in range(2):  # the gateway's replica of the index may lag a moment behind
+        routed = chat(gateway, msgs)
+        if routed.headers.get("x-kvpool-instance") == "demo-p2p-1":
+            break
+        time.sleep(2)
+    assert routed.headers.get("x-kvpool-instance") == "demo-p2p-1", routed.headers
+    assert routed.headers.get("x-kvpool-route-reason") == "kv-hit", routed.headers
+    assert routed.cached >= full * CHUNK
+
+
+@pytest.mark.parametrize("mode", ["push"])  # the CPU path's PD modes (pull modes: ascend only)
+def test_pd_through_the_gateway_equals_a_single_instance_run(domain: Domain, mode: str) -> None:
+    """Prefill on ``demo-pd-prefill-0``, KV handed to ``demo-pd-decode-0`` over NIXL, decode
+    there: the text equals one instance's greedy run, and the decoder loaded the prompt's KV.
+    Also a prompt shorter than one chunk (the sender stores unfull chunks)."""
+    assert domain.rendered["demo-gateway"].files  # the pair is listed in gateway.yaml
+    (gw_cfg,) = domain.rendered["demo-gateway"].files.values()
+    assert f"mode: {mode}" in gw_cfg
+    gateway, single = domain.url("demo-gateway"), domain.url("demo-p2p-0")
+    for msgs in (messages("the disaggregation", 60), messages("short", 3)):
+        alone = chat(single, [{"role": "system", "content": "pd"}, *msgs], max_tokens=10)
+        pd = chat(
+            gateway,
+            [{"role": "system", "content": "pd"}, *msgs],
+            max_tokens=10,
+            headers={"x-kvpool-pd": "demo-pd"},
+        )
+        assert pd.headers.get("x-kvpool-instance") == "demo-pd-prefill-0,demo-pd-decode-0"
+        assert pd.text == alone.text
+        assert pd.cached > 0, pd.usage  # the decoder served the prompt from the transfer
+
+
 @pytest.mark.parametrize(
     ("env", "value"),
     [("PYTHONHASHSEED", "1"), ("KVPOOL_DOMAIN_FINGERPRINT", "0123456789ab")],
