@@ -76,7 +76,7 @@ def member_defaults(member: P2PGroup | PDPair) -> list[FilledDefault]:
     out: list[FilledDefault] = []
     for path, engine, tp in engines(member):
         if engine.platform != "cpu" and engine.accelerator_count is None:
-            lands = f"{engine.accelerator()} per pod (the TP size)"
+            lands = f"{engine.accelerator()} per pod: the TP size"
             out.append(FilledDefault(owner, f"{path}.acceleratorCount", str(tp), lands))
     if isinstance(member, P2PGroup):
         t = member.spec.transfer
