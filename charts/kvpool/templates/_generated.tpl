@@ -6,7 +6,6 @@
   resources:
   - kvcachepools
   verbs:
-  - get
   - list
   - watch
   - patch
@@ -15,7 +14,6 @@
   resources:
   - p2pgroups
   verbs:
-  - get
   - list
   - watch
   - patch
@@ -24,7 +22,6 @@
   resources:
   - pdpairs
   verbs:
-  - get
   - list
   - watch
   - patch
@@ -33,28 +30,24 @@
   resources:
   - kvcachepools/status
   verbs:
-  - get
   - patch
 - apiGroups:
   - kvpool.io
   resources:
   - p2pgroups/status
   verbs:
-  - get
   - patch
 - apiGroups:
   - kvpool.io
   resources:
   - pdpairs/status
   verbs:
-  - get
   - patch
 - apiGroups:
   - ''
   resources:
   - configmaps
   verbs:
-  - get
   - list
   - create
   - patch
@@ -64,7 +57,6 @@
   resources:
   - services
   verbs:
-  - get
   - list
   - create
   - patch
@@ -74,7 +66,6 @@
   resources:
   - deployments
   verbs:
-  - get
   - list
   - create
   - patch
@@ -84,7 +75,6 @@
   resources:
   - statefulsets
   verbs:
-  - get
   - list
   - create
   - patch
@@ -95,7 +85,6 @@
   resources:
   - poddisruptionbudgets
   verbs:
-  - get
   - list
   - create
   - patch
