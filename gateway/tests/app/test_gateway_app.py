@@ -53,9 +53,10 @@ async def gateway(
             "chunkSize": CHUNK,
             "controllerUrl": ctl,
             "p2pGroups": [{"name": "g", "instances": insts}],
-            "limits": {"healthIntervalSeconds": 0.2, "retries": 2},
             **(extra or {}),
         }
+        limits = {"healthIntervalSeconds": 0.2, "retries": 2, "lookupTimeoutSeconds": 5}
+        raw["limits"] = {**limits, **(extra or {}).get("limits", {})}
         state = build_state(parse_config(raw), GatewayEnv(**(env or {})), pd_bind_host="127.0.0.1")
         url = await stack.enter_async_context(serving(build_app(state)))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=20))
@@ -131,15 +132,36 @@ async def test_503s_are_retried_on_another_instance() -> None:
 
 async def test_connect_errors_retry_and_open_the_breaker() -> None:
     a = Script("a")
-    async with gateway([a], ControllerScript(hits={"dead~x": 4}), dead=["dead"]) as (client, state):
-        state.instances.by_name["dead"].ready = True  # its probe would say otherwise soon
-        r = await client.post("/v1/completions", json=PROMPT)
-        assert r.status_code == 200 and r.headers["x-kvpool-instance"] == "a"
+    slow_probes = {"limits": {"healthIntervalSeconds": 30, "retries": 2}}  # probes stay out
+    async with gateway(
+        [a], ControllerScript(hits={"dead~x": 4}), dead=["dead"], extra=slow_probes
+    ) as (client, state):
         dead = state.instances.by_name["dead"]
-        for _ in range(3):
-            dead.ready = True
-            await client.post("/v1/completions", json=PROMPT)
-        assert dead.breaker.state.value in ("open", "half_open") or not dead.ready
+        for i in range(10):  # new prompts: no pending entry of the previous one for "a"
+            dead.ready = True  # as if its last probe had passed: the index sends us there
+            r = await client.post("/v1/completions", json={"prompt": f"{i}bcdefghijklmnop"})
+            assert r.status_code == 200 and r.headers["x-kvpool-instance"] == "a"
+            if dead.breaker.state.value == "open":
+                break
+        m = (await client.get("/metrics")).text
+        assert metric(m, 'kvpool_gateway_retries_total{reason="connect"}') == 3
+        assert dead.breaker.state.value == "open"  # after 3 consecutive failures
+        dead.ready = True
+        await client.post("/v1/completions", json={"prompt": "zbcdefghijklmnop"})
+        m = (await client.get("/metrics")).text  # the open breaker kept it out: no 4th try
+        assert (
+            metric(m, 'kvpool_gateway_upstream_errors_total{instance="dead",kind="connect"}') == 3
+        )
+        ready = (await client.get("/readyz")).json()
+        assert ready["instances"]["dead"]["breaker"] == "open"
+
+
+async def test_an_upstream_that_never_answers_is_a_504() -> None:
+    slow = Script("slow", first_byte_delay_s=5)
+    extra = {"limits": {"upstreamTimeoutSeconds": 0.5, "retries": 0}}
+    async with gateway([slow], ControllerScript(), extra=extra) as (client, _):
+        r = await client.post("/v1/completions", json=PROMPT)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
 
 
 async def test_instance_killed_mid_stream_ends_the_stream_with_an_error_event() -> None:

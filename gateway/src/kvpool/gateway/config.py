@@ -89,6 +89,9 @@ class Limits(_Model):
     upstream_timeout_seconds: float = Field(300.0, gt=0, description="first byte, then each")
     retries: int = Field(2, ge=0, le=10)
     health_interval_seconds: float = Field(2.0, gt=0)
+    lookup_timeout_seconds: float = Field(
+        0.5, gt=0, description="controller /v1/prefix_lookup when the replica is not in sync"
+    )
     pd_transfer_timeout_seconds: float = Field(30.0, gt=0)
     rate_limit: RateLimit | None = None
     sessions: int = Field(65_536, ge=1, description="session ids remembered (LRU)")

@@ -49,6 +49,7 @@ class IndexClient:
         http: httpx.AsyncClient,
         metrics: GatewayMetrics,
         poll_interval_s: float = 2.0,
+        lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
     ) -> None:
         self.controller_url = controller_url.rstrip("/")
         self.pub_url = pub_url
@@ -56,6 +57,7 @@ class IndexClient:
         self.http = http
         self.metrics = metrics
         self.poll_interval_s = poll_interval_s
+        self.lookup_timeout_s = lookup_timeout_s
         self.replica = dl.IndexReplica()
         self.controller_up = False
         self.controller_epoch: str | None = None
@@ -111,7 +113,7 @@ class IndexClient:
             resp = await self.http.post(
                 f"{self.controller_url}/v1/prefix_lookup",
                 json={"hashes": list(hashes)},
-                timeout=LOOKUP_TIMEOUT_S,
+                timeout=self.lookup_timeout_s,
             )
             resp.raise_for_status()
             body = resp.json()
@@ -144,7 +146,9 @@ class IndexClient:
     async def _poll_loop(self) -> None:
         while True:
             try:
-                resp = await self.http.get(f"{self.controller_url}/", timeout=LOOKUP_TIMEOUT_S * 4)
+                resp = await self.http.get(
+                    f"{self.controller_url}/", timeout=self.lookup_timeout_s * 4
+                )
                 resp.raise_for_status()
                 epoch = resp.json().get("epoch")
             except (httpx.HTTPError, ValueError) as exc:

@@ -123,6 +123,7 @@ def build_state(
         http,
         metrics,
         limits.health_interval_seconds,
+        limits.lookup_timeout_seconds,
     )
     guards = Guards(config.guards.imbalance_abs, config.guards.imbalance_ratio)
     weights = config.routing.weights
