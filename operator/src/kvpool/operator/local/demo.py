@@ -348,8 +348,12 @@ def table(turns: list[Turn]) -> str:
 
 def plot(turns: list[Turn], path: Path) -> Path:
     """A PNG: TTFT per turn, hit against cold, with the hit share of each prompt."""
-    import matplotlib  # noqa: PLC0415 (only the demo draws)
-
+    try:
+        import matplotlib  # noqa: PLC0415 (only the demo draws)
+    except ImportError:
+        raise DemoError(
+            "the plot needs matplotlib: pip install 'kvpool-operator[demo]' (make install does)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
