@@ -28,10 +28,9 @@ import torch
 KV_GEOMETRY = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}
 
 
-def _load_services() -> Any:
-    """The benchmark's service launchers (worker/bench/services.py): one way to start them."""
-    path = Path(__file__).resolve().parents[1] / "bench" / "services.py"
-    spec = importlib.util.spec_from_file_location("kvpool_worker_bench_services", path)
+def _load(path: Path, name: str) -> Any:
+    """A helper module that is not a package (the tests import in importlib mode)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -39,7 +38,26 @@ def _load_services() -> Any:
     return module
 
 
-services = _load_services()
+# The benchmark's service launchers (worker/bench/services.py): one way to start them.
+services = _load(
+    Path(__file__).resolve().parents[1] / "bench" / "services.py", "kvpool_worker_bench_services"
+)
+# kvpool-controller and kvpool-worker processes for the P2P and PD tests.
+transfer_stack = _load(
+    Path(__file__).with_name("integration") / "transfer_stack.py", "transfer_stack"
+)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Any]:
+    """Processes of one P2P/PD test (``transfer_stack.Stack``), all killed at the end."""
+    s = transfer_stack.Stack(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 free_port = services.free_port
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool.protocol.chat import TextTokenizer
 from kvpool.worker.engine_api import Engine, GenerationRequest, TokenEvent
@@ -27,6 +27,7 @@ class Outcome:
     finish_reason: str | None = None
     ttft_s: float | None = None
     first_token: int | None = None  # id of the first generated token (PD: first_tok)
+    token_ids: list[int] = field(default_factory=list)  # every generated id, stop id included
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ def _silent(event: TokenEvent) -> bool:
 def _account(outcome: Outcome, event: TokenEvent) -> None:
     if event.token_id >= 0:
         outcome.completion_tokens += 1
+        outcome.token_ids.append(event.token_id)
         if outcome.first_token is None:
             outcome.first_token = event.token_id
     if event.num_prompt_tokens:

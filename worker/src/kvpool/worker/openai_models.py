@@ -121,6 +121,8 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     # PD prefill (lmcache's disaggregated-prefill proxy): ret_first_tok and disagg_spec.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's extension: the choice also carries prompt_token_ids and token_ids (not streamed).
+    return_token_ids: bool = False
 
     @model_validator(mode="after")
     def _no_echo(self) -> CompletionRequest:

@@ -15,7 +15,6 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,7 +28,6 @@ from kvpool.worker.engine_api import (
     Engine,
     EngineError,
     GenerationRequest,
-    KVTransferParams,
     SamplingParams,
 )
 from kvpool.worker.generation import Delta, Outcome, generate_text
@@ -44,6 +42,13 @@ from kvpool.worker.openai_models import (
     new_id,
     now,
     usage,
+)
+from kvpool.worker.openai_render import (
+    Prepared,
+    chat_chunk,
+    completion_chunk,
+    sse,
+    validation_body,
 )
 from kvpool.worker.pd_api import answer_params, build_pd_router, parse_kv_transfer
 
@@ -155,22 +160,6 @@ class _GateMiddleware:
             rt.leave()
 
 
-@dataclass
-class _Prepared:
-    request_id: str
-    endpoint: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    stop: list[str]
-    model: str
-    kv_transfer: KVTransferParams | None = None
-
-
-def _sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
-
-
 def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
     """The ASGI app. With ``start_engine`` the engine starts in the background at startup
     (``/healthz`` answers at once, ``/readyz`` turns 200 when it is up)."""
@@ -198,7 +187,7 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_validation_body(exc), status_code=400)
+        return JSONResponse(validation_body(exc), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -277,7 +266,7 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
         stop_ids: tuple[int, ...],
         session: str | None,
         prefix: str,
-    ) -> _Prepared:
+    ) -> Prepared:
         model = check_model(body.model)
         limit = engine.max_model_len
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
@@ -312,10 +301,10 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
         )
         if session is not None:
             runtime.sessions.remember(session, prompt_ids)
-        return _Prepared(new_id(prefix), endpoint, prompt_ids, sampling, body.stop_strings(), model)
+        return Prepared(new_id(prefix), endpoint, prompt_ids, sampling, body.stop_strings(), model)
 
     async def run(
-        prep: _Prepared, stream: bool, include_usage: bool, chunk: Callable[..., dict[str, Any]]
+        prep: Prepared, stream: bool, include_usage: bool, chunk: Callable[..., dict[str, Any]]
     ) -> Response:
         outcome = Outcome(prompt_tokens=len(prep.prompt_ids))
         deltas = generate_text(
@@ -355,6 +344,9 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
             text = "".join(d.text for d in parts)
             body = chunk(prep, created, text, outcome.finish_reason, final=True)
             body["usage"] = use()
+            if prep.return_token_ids:
+                body["choices"][0]["prompt_token_ids"] = prep.prompt_ids
+                body["choices"][0]["token_ids"] = outcome.token_ids
             if prep.kv_transfer is not None:  # PD prefill: the proxy sends first_tok on
                 n = outcome.prompt_tokens
                 body["kv_transfer_params"] = answer_params(prep.kv_transfer, outcome.first_token, n)
@@ -362,23 +354,23 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                if chunk is _chat_chunk:  # chat streams open with the assistant role
-                    yield _sse(chunk(prep, created, None, None, opening=True))
+                if chunk is chat_chunk:  # chat streams open with the assistant role
+                    yield sse(chunk(prep, created, None, None, opening=True))
                 delta: Delta | None = first
                 while delta is not None:
                     if delta.text or delta.finish_reason:
-                        yield _sse(chunk(prep, created, delta.text, delta.finish_reason))
+                        yield sse(chunk(prep, created, delta.text, delta.finish_reason))
                     try:
                         delta = await anext(deltas, None)
                     except Exception as exc:  # headers are sent: report in the stream
                         logger.exception("request %s failed mid-stream", prep.request_id)
                         msg = f"generation failed: {exc}"
-                        yield _sse(error_body(msg, type_="internal_error"))
+                        yield sse(error_body(msg, type_="internal_error"))
                         break
                 if include_usage:
                     tail = chunk(prep, created, None, None)
-                    yield _sse({**tail, "choices": [], "usage": use()})
-                yield _sse("[DONE]")
+                    yield sse({**tail, "choices": [], "usage": use()})
+                yield sse("[DONE]")
             finally:
                 await deltas.aclose()
                 done()
@@ -392,7 +384,8 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
         session = session_of(request.headers.get(SESSION_HEADER), body.user)
         prep = prepare("completions", body, ids, body.max_tokens, (), session, "cmpl")
         prep.kv_transfer = kv_transfer
-        return await run(prep, body.stream, body.include_usage(), _completion_chunk)
+        prep.return_token_ids = body.return_token_ids
+        return await run(prep, body.stream, body.include_usage(), completion_chunk)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -407,7 +400,7 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
             session,
             "chatcmpl",
         )
-        return await run(prep, body.stream, body.include_usage(), _chat_chunk)
+        return await run(prep, body.stream, body.include_usage(), chat_chunk)
 
     app.include_router(build_memory_router(engine, tok, runtime.sessions))
     app.include_router(build_pd_router(runtime.pd_info))
@@ -427,72 +420,3 @@ def completion_prompt_ids(
             )
         return completion_prompt_ids(tok, prompt[0])
     return [int(t) for t in prompt]  # type: ignore[arg-type]
-
-
-def _completion_chunk(
-    prep: _Prepared,
-    created: int,
-    text: str | None,
-    finish_reason: str | None,
-    *,
-    final: bool = False,
-    opening: bool = False,
-) -> dict[str, Any]:
-    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": prep.request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": prep.model,
-        "choices": [choice],
-    }
-
-
-def _chat_chunk(
-    prep: _Prepared,
-    created: int,
-    text: str | None,
-    finish_reason: str | None,
-    *,
-    final: bool = False,
-    opening: bool = False,
-) -> dict[str, Any]:
-    if final:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text or ""},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        delta = {"role": "assistant", "content": ""} if opening else {"content": text or ""}
-        if finish_reason and not text:
-            delta = {}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    return {
-        "id": prep.request_id,
-        "object": obj,
-        "created": created,
-        "model": prep.model,
-        "choices": [choice],
-    }
-
-
-def _validation_body(exc: RequestValidationError) -> dict[str, Any]:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        return error_body(
-            f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
-            code="invalid_json",
-        )
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid request"))
-    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
-        msg = "the request body must be a JSON object"
-    where = f"{param}: " if param else ""
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return error_body(f"{where}{msg}{more}", param=param, code="invalid_value")

@@ -179,13 +179,13 @@ class ModelRunner:
         seq.needs_lookup = False
         if self.offload is None:
             return
-        tokens = seq.tokens
+        tokens = self._lookup_tokens(seq)  # the chunk keys end where the lookup ended
         lookup_id, seq.lookup_id = seq.lookup_id, None
         try:
             if self.async_offload is not None and lookup_id is not None:
                 hit = min(seq.lookup_hit or 0, len(tokens))
             else:
-                hit = min(self.offload.lookup(self._lookup_tokens(seq)), len(tokens))
+                hit = min(self.offload.lookup(tokens), len(tokens))
             loaded = 0
             if hit > 0:
                 slots = slot_mapping(seq.block_table, self.block_size, 0, hit)
@@ -206,7 +206,7 @@ class ModelRunner:
             )
             return
         # Keep at least the last token to recompute: its logits give the first new token.
-        usable = max(0, min(loaded, hit, len(tokens) - 1))
+        usable = max(0, min(loaded, hit, len(seq.tokens) - 1))
         seq.num_computed = usable
         if seq.num_output == 0:
             seq.num_cached = usable

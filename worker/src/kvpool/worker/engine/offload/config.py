@@ -32,15 +32,18 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> LMCacheEn
     try:
         if isinstance(source, Mapping):
             cfg = LMCacheEngineConfig.from_dict(dict(source))
-            cfg.validate()  # as from_file does (PD then forces save_unfull_chunk, for one)
-            return cfg
-        path = Path(source)
-        if not path.is_file():
-            raise OffloadConfigError(
-                f"LMCache config file {str(path)!r} does not exist: set LMCACHE_CONFIG_FILE "
-                "to the rendered config"
-            )
-        return LMCacheEngineConfig.from_file(str(path))
+        else:
+            path = Path(source)
+            if not path.is_file():
+                raise OffloadConfigError(
+                    f"LMCache config file {str(path)!r} does not exist: set LMCACHE_CONFIG_FILE "
+                    "to the rendered config"
+                )
+            cfg = LMCacheEngineConfig.from_file(str(path))
+        # Neither loader runs LMCache's own validate(), which also forces save_unfull_chunk
+        # for PD: without it a decoder never looks up a prompt's partial last chunk.
+        cfg.validate()
+        return cfg
     except OffloadConfigError:
         raise
     except Exception as e:  # LMCache raises ValueError/KeyError/yaml errors

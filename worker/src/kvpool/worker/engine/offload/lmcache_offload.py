@@ -360,6 +360,8 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
 
     def metrics(self) -> dict[str, float]:
         out = dict(self._metrics)
+        if self.async_lookups is not None:
+            out["pending_prefetches"] = float(self.pending_prefetches())
         h = self._remote_health
         if h is not None:
             out[f"tier_up.{h.tier}"] = 1.0 if h.up else 0.0

@@ -174,6 +174,8 @@ def local_tier_stats(storage: Any, config: LMCacheEngineConfig) -> dict[str, dic
             "bytes": sum(o.get_size() for o in objs),
             "capacity_bytes": int(config.max_local_cpu_size * gib),
             "up": True,
+            # chunks LMCache itself holds pinned (lookups, a peer's pull in flight)
+            "lmcache_pinned": sum(1 for o in objs if o.is_pinned),
         }
     disk = storage.storage_backends.get(BACKEND_OF_TIER[LOCAL_DISK])
     if disk is not None:
