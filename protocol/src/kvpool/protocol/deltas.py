@@ -17,6 +17,10 @@ Wire (msgpack of the array-like structs below):
   SNAPSHOT_REQUEST]`` and receives ``[b"", encode(Snapshot)]``; the snapshot includes every
   delta numbered before it was taken.
 
+A loss is seen when the next delta arrives (its number is not the one expected); a loss at the
+very end of a burst stays invisible until the controller publishes again, so a subscriber that
+must bound its staleness re-fetches a snapshot when the stream has been quiet for a while.
+
 Everything here is pure: :class:`IndexReplica` never touches a socket.
 """
 
