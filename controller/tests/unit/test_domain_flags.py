@@ -20,6 +20,7 @@ from kvpool.controller.api import create_app
 from kvpool.controller.main import settings_from_args
 from kvpool.controller.server import ControllerServer
 from kvpool.controller.settings import ControllerSettings
+from kvpool.protocol.hashing import HashConfig, chunk_hashes
 
 RENDERED = [
     "--host", "0.0.0.0", "--port", "9000",
@@ -69,9 +70,13 @@ def test_persistence_none_parses_and_never_asks_for_a_full_sync() -> None:
 
 
 @pytest.fixture
-async def sha_client() -> AsyncIterator[tuple[httpx.AsyncClient, ControllerServer]]:
+async def unseeded_vllm_client() -> AsyncIterator[tuple[httpx.AsyncClient, ControllerServer]]:
     settings = ControllerSettings(
-        host="127.0.0.1", monitor_ports={"pull": 0}, hash_algorithm="sha256_cbor"
+        host="127.0.0.1",
+        monitor_ports={"pull": 0},
+        hash_algorithm="sha256_cbor",
+        vllm=True,
+        hash_seed=None,
     )
     server = ControllerServer(settings)
     transport = httpx.ASGITransport(app=create_app(server))
@@ -80,10 +85,11 @@ async def sha_client() -> AsyncIterator[tuple[httpx.AsyncClient, ControllerServe
     await server.close()
 
 
-async def test_token_lookups_refused_for_other_hash_algorithms(
-    sha_client: tuple[httpx.AsyncClient, ControllerServer],
+async def test_token_lookups_refused_when_nobody_can_reproduce_the_hashes(
+    unseeded_vllm_client: tuple[httpx.AsyncClient, ControllerServer],
 ) -> None:
-    c, server = sha_client
+    """vLLM workers without PYTHONHASHSEED draw NONE_HASH from os.urandom."""
+    c, server = unseeded_vllm_client
     server.service.handle_request(p.RegisterMsg("a", 0, "10.0.0.1", 7000, None))
     ops = [p.KVOpEvent(p.OpType.ADMIT, 11, 0), p.KVOpEvent(p.OpType.ADMIT, 22, 1)]
     server.service.handle_push(p.BatchedKVOperationMsg("a", 0, "LocalCPUBackend", ops))
@@ -93,10 +99,33 @@ async def test_token_lookups_refused_for_other_hash_algorithms(
     ]:
         r = await c.post(path, json=body)
         assert r.status_code == 400, (path, r.text)
-        assert "sha256_cbor" in r.text
+        assert "PYTHONHASHSEED: is required with vLLM" in r.text
         assert "/v1/prefix_lookup" in r.text
     ok = (await c.post("/v1/prefix_lookup", json={"hashes": [11, 22, 33]})).json()
     assert ok["instances"]["a"]["hit_chunks"] == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "regime"),
+    [
+        ([], HashConfig(256, "sha256_cbor", save_unfull_chunk=True)),  # no vLLM: builtin
+        (["--vllm"], HashConfig(256, "sha256_cbor", "123", save_unfull_chunk=True, vllm=True)),
+    ],
+)
+def test_token_lookups_hash_in_the_domains_regime(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], regime: HashConfig
+) -> None:
+    """The rendered flags plus the injected PYTHONHASHSEED select the workers' regime."""
+    from kvpool.controller.service import ControllerService
+
+    monkeypatch.setenv("PYTHONHASHSEED", "123")
+    argv = [a if a != "builtin" else "sha256_cbor" for a in RENDERED]
+    settings = settings_from_args([*argv, *flags])
+    assert settings.tokens_lookup_error is None
+    svc = ControllerService(settings.model_copy(update={"monitor_ports": {"pull": 0}}))
+    tokens = list(range(600))
+    assert svc.token_hashes(tokens) == chunk_hashes(tokens, regime)
+    assert len(svc.token_hashes(tokens)) == 3  # the partial chunk too, as LMCache's /lookup
 
 
 def test_lookup_names_the_fastest_tier_when_tiers_hold_equal_shares() -> None:

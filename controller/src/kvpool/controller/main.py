@@ -62,7 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-size", type=int, help="tokens per chunk for token lookups")
     ap.add_argument(
         "--hash-algorithm",
-        help="the domain's pre_caching_hash_algorithm (token lookups need builtin)",
+        help="the domain's pre_caching_hash_algorithm: builtin or sha256_cbor",
+    )
+    ap.add_argument(
+        "--vllm",
+        action="store_true",
+        default=None,
+        help="the domain's engines import vLLM: token lookups seed the hash chain from "
+        "PYTHONHASHSEED as LMCache does under vLLM",
     )
     ap.add_argument(
         "--persistence",

@@ -24,7 +24,7 @@ from kvpool.controller.metrics import Metrics
 from kvpool.controller.registry import Registry, WorkerRecord, check_fingerprint
 from kvpool.controller.settings import ControllerSettings
 from kvpool.protocol.deltas import Delta, DeltaOp, LocationEntry, Snapshot, WorkerEntry
-from kvpool.protocol.hashing import HashConfig, chunk_hashes
+from kvpool.protocol.hashing import chunk_hashes
 from kvpool.protocol.index import ChunkIndex, tier_rank
 
 logger = logging.getLogger(__name__)
@@ -391,11 +391,10 @@ class ControllerService:
     # ------------------------------------------------------------------ orchestration
 
     def token_hashes(self, tokens: list[int], chunk_size: int | None = None) -> list[int]:
-        """The chunk hashes of ``tokens`` as LMCache's own controller computes them for
-        ``/lookup``: a default ``ChunkedTokenDatabase`` (builtin hash from NONE_HASH 0, the
-        trailing partial chunk included), with the domain's chunk size."""
-        config = HashConfig(chunk_size or self.settings.chunk_size, save_unfull_chunk=True)
-        return chunk_hashes(tokens, config)
+        """The chunk hashes of ``tokens`` in the domain's regime (chunk size, algorithm, vLLM's
+        seeded NONE_HASH), the trailing partial chunk included as in LMCache's ``/lookup``.
+        Callers check ``settings.tokens_lookup_error`` first."""
+        return chunk_hashes(tokens, self.settings.hash_config(chunk_size))
 
     def lookup_tokens(self, tokens: list[int]) -> dict[str, tuple[str, int]]:
         """LMCache's ``/lookup``: per instance, (the tier holding most of its prefix, fastest on

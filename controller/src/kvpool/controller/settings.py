@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvpool.protocol.hashing import HashConfig, HashConfigError
+
 _PORT_ROLES = ("pull", "reply", "heartbeat")
 
 
@@ -69,8 +71,18 @@ class ControllerSettings(BaseSettings):
     chunk_size: int = Field(256, gt=0, description="Tokens per chunk for token lookups")
     hash_algorithm: str = Field(
         "builtin",
-        description="The domain's pre_caching_hash_algorithm. Token lookups hash like LMCache's "
-        "builtin algorithm; with any other, callers must send chunk hashes",
+        description="The domain's pre_caching_hash_algorithm (builtin or sha256_cbor); token "
+        "lookups hash exactly as the domain's workers do (kvpool.protocol.hashing)",
+    )
+    vllm: bool = Field(
+        False,
+        description="The domain's engines import vLLM (cuda/ascend workers): LMCache then seeds "
+        "its hash chain from PYTHONHASHSEED, and token lookups must too",
+    )
+    hash_seed: str | None = Field(
+        None,
+        validation_alias=AliasChoices("hash_seed", "PYTHONHASHSEED"),
+        description="The domain's PYTHONHASHSEED (the operator injects it); used with vllm",
     )
     drain_batch: int = Field(512, gt=0, description="Most frames handled per loop turn per socket")
     drain_budget_ms: float = Field(
@@ -128,16 +140,31 @@ class ControllerSettings(BaseSettings):
             )
         return self
 
+    def hash_config(self, chunk_size: int | None = None) -> HashConfig:
+        """The domain's hashing regime for token lookups, as LMCache's own controller hashes
+        ``/lookup`` tokens (the trailing partial chunk included); raises HashConfigError."""
+        return HashConfig(
+            chunk_size=chunk_size or self.chunk_size,
+            hash_algorithm=self.hash_algorithm,
+            hash_seed=self.hash_seed if self.vllm else None,  # without vLLM no seed matters
+            save_unfull_chunk=True,
+            vllm=self.vllm,
+        )
+
     @property
     def tokens_lookup_error(self) -> str | None:
         """Why token lookups cannot be answered (None when they can)."""
-        if self.hash_algorithm == "builtin":
-            return None
-        return (
-            f"this domain hashes chunks with {self.hash_algorithm!r}; the controller hashes "
-            "tokens only with LMCache's builtin algorithm: send chunk hashes to "
-            "/v1/prefix_lookup instead of tokens"
-        )
+        try:
+            self.hash_config()
+        except HashConfigError as exc:
+            flag = {"hash_seed": "PYTHONHASHSEED"}.get(
+                exc.field, f"--{exc.field}".replace("_", "-")
+            )
+            return (
+                f"the controller cannot hash tokens like this domain's workers ({flag}: "
+                f"{exc.reason}): send chunk hashes to /v1/prefix_lookup instead of tokens"
+            )
+        return None
 
     @property
     def purge_enabled(self) -> bool:
