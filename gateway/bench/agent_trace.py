@@ -2,10 +2,11 @@
 
 Why this module exists: routing quality is only visible on a workload whose requests share KV
 the way agent traffic does. Here: several tenants, each with a long system prompt that every
-one of its sessions starts with; multi-turn sessions whose every turn repeats the whole
-conversation so far (each turn extends the previous turn's prompt); and RAG sessions whose
-user turns carry documents retrieved from the tenant's corpus in a per-request order, so two
-requests with the same documents share KV only up to the first document that differs in
+one of its sessions starts with, one tenant more popular than the rest (its extra sessions
+come last, so they run together: a hot prefix); multi-turn sessions whose every turn repeats
+the whole conversation so far (each turn extends the previous turn's prompt); and RAG sessions
+whose user turns carry documents retrieved from the tenant's corpus in a per-request order, so
+two requests with the same documents share KV only up to the first document that differs in
 place. The assistant replies are scripted (the trace is replayed, not generated), so every
 router under test receives byte-identical requests in the same order.
 
@@ -45,6 +46,7 @@ class TraceConfig:
     seed: int = 0
     tenants: int = 3
     sessions_per_tenant: int = 2
+    hot_sessions: int = 0  # extra sessions of tenant t0: one popular tenant (a hot prefix)
     turns: int = 3
     system_words: int = 700
     docs_per_tenant: int = 6
@@ -146,7 +148,7 @@ def generate(cfg: TraceConfig) -> Trace:
     corpora = {t: [filler(rng, cfg.doc_words) for _ in range(cfg.docs_per_tenant)] for t in tenants}
     per_tenant: dict[str, list[Session]] = {t: [] for t in tenants}
     for t in tenants:
-        for k in range(cfg.sessions_per_tenant):
+        for k in range(cfg.sessions_per_tenant + (cfg.hot_sessions if t == tenants[0] else 0)):
             sid = f"{t}-s{k}"
             rag = bool(cfg.rag_every) and k % cfg.rag_every == cfg.rag_every - 1
             history: list[Message] = [{"role": "system", "content": systems[t]}]
@@ -163,8 +165,10 @@ def generate(cfg: TraceConfig) -> Trace:
                                         cfg.max_tokens))  # fmt: skip
                 history.append({"role": "assistant", "content": filler(rng, cfg.reply_words)})
             per_tenant[t].append(Session(sid, t, rag, tuple(requests)))
-    # interleave tenants so concurrent sessions belong to different tenants
-    order = [per_tenant[t][k] for k in range(cfg.sessions_per_tenant) for t in tenants]
+    # interleave tenants so concurrent sessions belong to different tenants, until only the
+    # hot tenant has sessions left: its burst then runs alone
+    rounds = max(len(v) for v in per_tenant.values())
+    order = [per_tenant[t][k] for k in range(rounds) for t in tenants if k < len(per_tenant[t])]
     return Trace(cfg, tuple(order))
 
 

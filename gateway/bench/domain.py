@@ -136,8 +136,6 @@ class Domain:
             )
         (name,) = [n for n, w in stack.rendered.items() if w.component == "gateway"]
         lw = stack.prepare(name, as_name=f"{name}-{policy or 'default'}")
-        # a mounted file named on the command line is read from its local copy (the mount)
-        lw.argv[:] = [lw.file_map.get(a, a) for a in lw.argv]
         run = stack.start(lw)
         try:
             stack.wait_ready(run, 120, progress=log)

@@ -40,8 +40,8 @@ def _port(url: str) -> int:
 
 
 async def measure(
-    targets: dict[str, str], model: str, *, rounds: int, per_round: int, concurrency: int,
-    duration_s: float, max_requests: int,
+    targets: dict[str, str], model: str, *, rounds: int, per_round: int, round_s: float,
+    concurrency: int, duration_s: float, max_requests: int,
 ) -> dict[str, dict[str, float]]:  # fmt: skip
     """Per target name: latency p50/p90/p99 (ms) and req/s (best of the throughput rounds)."""
     body = {**BODY, "model": model}
@@ -50,10 +50,10 @@ async def measure(
     }
     lat: dict[str, list[float]] = {n: [] for n in targets}
     for name, url in targets.items():  # warm-up: connections, caches, JIT-less paths
-        await loadgen.latencies(_port(url), raws[name], 50, 10)
+        await loadgen.latencies(_port(url), raws[name], 50, round_s)
     for _ in range(rounds):
         for name, url in targets.items():
-            lat[name] += await loadgen.latencies(_port(url), raws[name], per_round, 30)
+            lat[name] += await loadgen.latencies(_port(url), raws[name], per_round, round_s)
     tput: dict[str, list[float]] = {n: [] for n in targets}
     errors: dict[str, int] = dict.fromkeys(targets, 0)
     for _ in range(max(1, rounds // 2)):
@@ -82,10 +82,11 @@ def run(targets: dict[str, str], model: str, quick: bool) -> dict[str, dict[str,
         measure(
             targets,
             model,
-            rounds=3 if quick else 6,
+            rounds=2 if quick else 6,
             per_round=150 if quick else 500,
+            round_s=1.5 if quick else 10.0,  # a round stops at per_round requests or round_s
             concurrency=32,
-            duration_s=2.0 if quick else 5.0,
+            duration_s=1.5 if quick else 5.0,
             max_requests=50_000 if quick else 200_000,
         )
     )

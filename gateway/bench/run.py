@@ -59,12 +59,12 @@ ARM_LABEL = {
 def trace_config(quick: bool) -> agent_trace.TraceConfig:
     if quick:
         return agent_trace.TraceConfig(
-            seed=0, tenants=3, sessions_per_tenant=2, turns=2, system_words=700, doc_words=160,
-            docs_per_turn=2,
+            seed=0, tenants=3, sessions_per_tenant=1, hot_sessions=3, turns=2,
+            system_words=600, doc_words=160, docs_per_turn=2, max_tokens=4,
         )  # fmt: skip
     return agent_trace.TraceConfig(
-        seed=0, tenants=6, sessions_per_tenant=4, turns=4, system_words=1400, doc_words=200,
-        docs_per_turn=3, docs_per_tenant=8,
+        seed=0, tenants=5, sessions_per_tenant=2, hot_sessions=6, turns=4,
+        system_words=1400, doc_words=200, docs_per_turn=3, docs_per_tenant=8,
     )  # fmt: skip
 
 
@@ -137,7 +137,7 @@ def routing_phase(dom: domain.Domain, model: str, quick: bool) -> dict[str, Any]
     log(f"trace: {len(trace.sessions)} sessions, {len(prompts)} requests, "
         f"{sum(map(len, prompts))} prompt tokens, ideal hit ratio "
         f"{sum(ideal) / sum(map(len, prompts)):.3f}")  # fmt: skip
-    concurrency = 3 if quick else 4
+    concurrency = 4 if quick else 6
     warm = agent_trace.generate(agent_trace.TraceConfig(seed=99, tenants=1, sessions_per_tenant=1,
                                                         turns=1, system_words=300))  # fmt: skip
     warm_prompts = replay.tokenize_all(dom.worker_urls[0], warm)
@@ -149,7 +149,8 @@ def routing_phase(dom: domain.Domain, model: str, quick: bool) -> dict[str, Any]
         log(f"arm {name}: replaying {len(prompts)} requests, {concurrency} sessions at once")
         arms[name] = arm(dom, name, trace, model, concurrency)
         s = summarize_arm(arms[name])
-        log(f"  hit ratio {s['hit_ratio']:.3f}, TTFT p50 {s['ttft_p50_ms']:.0f} ms p90 "
+        log(f"  hit ratio {s['hit_ratio']:.3f} (local {s['local_hit_ratio']:.3f}), TTFT p50 "
+            f"{s['ttft_p50_ms']:.0f} ms p90 "
             f"{s['ttft_p90_ms']:.0f} ms, {s['req_per_s']:.2f} req/s")  # fmt: skip
         cleared = replay.clear_workers(dom.worker_urls, dom.controller_url, prompts)
         log(f"  caches cleared in {cleared:.1f}s")

@@ -50,6 +50,12 @@ def test_counts_and_interleaving() -> None:
     assert [r.turn for r in trace.sessions[0].requests] == [0, 1]
 
 
+def test_hot_tenant_burst_comes_last() -> None:
+    trace = tr.generate(tr.TraceConfig(tenants=3, sessions_per_tenant=1, hot_sessions=3))
+    assert [s.tenant for s in trace.sessions] == ["t0", "t1", "t2", "t0", "t0", "t0"]
+    assert len({s.id for s in trace.sessions}) == 6
+
+
 def test_sharing_structure() -> None:
     cfg = tr.TraceConfig(tenants=2, sessions_per_tenant=4, turns=3, rag_every=2)
     trace = tr.generate(cfg)
