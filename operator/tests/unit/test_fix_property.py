@@ -32,6 +32,7 @@ def _pool(draw: st.DrawFn) -> dict[str, Any]:
                 {"redis": {"url": "redis://r:6379"}},
                 {"mooncake": {"segmentSize": "1Gi"}, "serde": "cachegen"},
                 {"redis": {"url": "redis://r:6379"}, "serde": "kivi"},
+                {"redis": {"url": "redis://r:6379"}, "mooncake": {"segmentSize": "1Gi"}},
             ]
         )
     )
@@ -125,6 +126,21 @@ def _p2p(draw: st.DrawFn, name: str, base: int) -> dict[str, Any]:
     }
     if draw(st.booleans()):
         spec["cachePolicy"] = "LRU"
+    explicit = draw(st.sampled_from([None, "ok", "short", "reused"]))
+    if explicit is not None:
+        tp = spec["tensorParallelSize"]
+        width = tp - 1 if explicit == "short" else tp
+        spec["ports"]["instances"] = [
+            {
+                "http": 8010 + i,
+                "workerPorts": [
+                    9000 + (0 if explicit == "reused" else 100 * i) + r for r in range(width)
+                ],
+                "initPorts": [9030 + 100 * i + r for r in range(tp)],
+                "lookupPorts": [9060 + 100 * i + r for r in range(tp)],
+            }
+            for i in range(draw(st.sampled_from([spec["replicas"], 1])))
+        ]
     return {
         "apiVersion": "kvpool.io/v1alpha1",
         "kind": "P2PGroup",
