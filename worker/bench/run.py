@@ -6,7 +6,8 @@ Why this module exists: the worker's claims ("a DDR hit costs under a fifth of a
 tests. Tiers: local_cpu (DDR), local_disk, Redis and Mooncake, each a real service started on
 127.0.0.1 free ports and stopped at the end; the hit of a lower tier is served by that tier
 (``local_cpu: false``). Writes the JSON of DESIGN.md to ``--out``, a Markdown table to stdout
-and a PNG plot of TTFT against prompt length next to the JSON.
+and a PNG plot of TTFT against prompt length next to the JSON. KV transfer between processes
+(LMCache P2P and PD next to raw NIXL, the same bytes) is measured by ``transfer_bench``.
 
     python worker/bench/run.py [--quick] --out bench-results/worker.json
 """
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine_bench
 import services
 import torch
+import transfer_bench
 
 from kvpool.worker.engine import ReferenceEngine
 from kvpool.worker.engine.model import model_shape
@@ -214,6 +216,22 @@ def table(rows: list[dict[str, Any]], bw: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def transfer_table(x: dict[str, float]) -> str:
+    mb = x["transfer_bytes"] / 1e6
+    return "\n".join(
+        [
+            "",
+            f"| KV transfer between processes, {mb:.0f} MB (NIXL/UCX, lo) | GB/s | / raw NIXL |",
+            "|---|---:|---:|",
+            f"| raw NIXL, agent to agent WRITE | {x['raw_nixl_GBps']:.2f} | 1.00 |",
+            f"| LMCache P2P pull (lookup + peer write) | {x['p2p_GBps']:.2f} | "
+            f"{x['p2p_vs_raw_nixl']:.2f} |",
+            f"| LMCache PD push (store + write + notify) | {x['pd_GBps']:.2f} | "
+            f"{x['pd_vs_raw_nixl']:.2f} |",
+        ]
+    )
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -275,7 +293,13 @@ async def main_async(args: argparse.Namespace) -> int:
             rows += await ttft_tier(tier, config, lengths, opts, 1 if args.quick else 3)
         log("bandwidth: store/retrieve vs memcpy")
         bw = bandwidth(opts, 8192, repeats=5 if args.quick else 11)
+        log("transfer: raw NIXL, LMCache P2P and PD between processes (same bytes)")
+        xfer = transfer_bench.measure(tmp, tokens=8192, repeats=3 if args.quick else 7)
     summary = summarize(rows, bw, args.quick)
+    for key in ("p2p_vs_raw_nixl", "pd_vs_raw_nixl"):
+        summary["ratios"][key] = xfer[key]
+    for key in ("raw_nixl_GBps", "p2p_GBps", "pd_GBps", "transfer_bytes"):
+        summary["metrics"][key] = xfer[key]
     shape = model_shape(opts)
     result = {
         "component": "worker",
@@ -287,6 +311,7 @@ async def main_async(args: argparse.Namespace) -> int:
             "lmcache": importlib.metadata.version("lmcache"),
             "redis-server": _version(["redis-server", "--version"]),
             "mooncake": importlib.metadata.version("mooncake-transfer-engine-non-cuda"),
+            "raw_nixl": importlib.metadata.version("nixl-cu13"),
         },
         "env": {
             "python": platform.python_version(),
@@ -304,6 +329,7 @@ async def main_async(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     plot(rows, out.with_suffix(".png"))
     print(table(rows, bw))
+    print(transfer_table(xfer))
     log(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

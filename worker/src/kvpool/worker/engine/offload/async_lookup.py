@@ -46,7 +46,7 @@ class AsyncLookups:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``release(lookup_id)`` frees the memory a finished prefetch holds (LMCache's
-        ``cleanup_memory_objs``); it is called on the caller's thread, never LMCache's."""
+        ``cleanup_memory_objs``, which LMCache's own lookup server also calls off its loop)."""
         self.timeout_s = timeout_s
         self._release = release
         self._clock = clock
@@ -62,11 +62,17 @@ class AsyncLookups:
 
     # --- LMCache's side (the lookup server role) ----------------------------------------
     def send_response_to_scheduler(self, lookup_id: str, num_hit_tokens: int) -> None:
+        release = False
         with self._lock:
             entry = self._lookups.get(lookup_id)
             if entry is not None:
                 entry.hit = int(num_hit_tokens)
+                if entry.cancelled:  # nobody will retrieve it: free the prefetch right away
+                    del self._lookups[lookup_id]
+                    release = True
             self._lock.notify_all()
+        if release:
+            self._release_now(lookup_id)
         listener = self._on_answer
         if listener is not None:
             try:
@@ -138,11 +144,14 @@ class AsyncLookups:
             for key in done + lost:
                 del self._lookups[key]
         for key in done:
-            try:
-                self._release(key)
-                self.released += 1
-            except Exception:
-                logger.exception("releasing the prefetch of lookup %s failed", key)
+            self._release_now(key)
+
+    def _release_now(self, lookup_id: str) -> None:
+        try:
+            self._release(lookup_id)
+            self.released += 1
+        except Exception:
+            logger.exception("releasing the prefetch of lookup %s failed", lookup_id)
 
     @property
     def pending(self) -> int:
