@@ -120,7 +120,7 @@ async def test_streamed_chat_then_next_turn_hits_its_kv_through_routing(
         assert state.index.in_sync, state.index.describe()
         # the gateway's token ids are the engine's, for chat and for text
         assert isinstance(state.encoder, LocalEncoder)
-        remote = RemoteEncoder(state.instances, state.http)
+        remote = RemoteEncoder(state.instances, state.upstream)
         assert await state.encoder.chat(msgs, True) == await remote.chat(msgs, True)
         text = "Über den Fluß, 32 stones — and <|im_end|> too."
         assert await state.encoder.completion(text) == await remote.completion(text)

@@ -38,6 +38,7 @@ class Instance:
     group: str
     ready: bool = False
     last_error: str | None = None
+    probe_failures: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     def available(self, now: float) -> bool:
@@ -105,12 +106,20 @@ async def probe(client: httpx.AsyncClient, inst: Instance, timeout_s: float) -> 
 
 
 async def probe_all(
-    client: httpx.AsyncClient, instances: InstanceSet, metrics: GatewayMetrics, timeout_s: float
+    client: httpx.AsyncClient,
+    instances: InstanceSet,
+    metrics: GatewayMetrics,
+    timeout_s: float,
+    failures_to_unready: int = 1,
 ) -> None:
-    """Probe every instance concurrently and record the result."""
+    """Probe every instance concurrently; a ready instance turns not ready after
+    ``failures_to_unready`` failed probes in a row (its breaker reacts to real failures)."""
     insts = list(instances)
     results = await asyncio.gather(*(probe(client, i, timeout_s) for i in insts))
     for inst, ok in zip(insts, results, strict=True):
+        inst.probe_failures = 0 if ok else inst.probe_failures + 1
+        if not ok and inst.ready and inst.probe_failures < failures_to_unready:
+            continue  # one slow probe on a busy host is not an outage
         if ok != inst.ready:
             logger.info(
                 "instance %s is %s%s",
@@ -127,5 +136,5 @@ async def health_loop(
 ) -> None:
     """Probe forever, every ``interval_s``."""
     while True:
-        await probe_all(client, instances, metrics, min(interval_s, 2.0))
+        await probe_all(client, instances, metrics, max(1.0, min(interval_s, 5.0)), 2)
         await asyncio.sleep(interval_s)

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpool.gateway.errors import GatewayError, upstream_error
@@ -22,6 +22,7 @@ from kvpool.gateway.proxy import Attempt
 from kvpool.gateway.routing import LeastLoadPolicy, RouteRequest
 from kvpool.gateway.selection import Prompt
 from kvpool.gateway.state import GatewayState
+from kvpool.gateway.upstream import TIMEOUT_ERRORS
 
 _DROP = ("messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
          "add_generation_prompt", "kv_transfer_params")  # fmt: skip
@@ -61,11 +62,11 @@ async def _prefill(state: GatewayState, attempt: Attempt, body: dict[str, Any]) 
     inst = attempt.instance
     t0 = time.monotonic()
     try:
-        resp = await state.http.post(f"{inst.url}/v1/completions", json=body)
-    except httpx.TimeoutException as exc:
+        status, payload, text = await state.upstream.post_json(f"{inst.url}/v1/completions", body)
+    except TIMEOUT_ERRORS as exc:
         inst.breaker.failure(time.monotonic())
         raise upstream_error(504, f"prefill on {inst.name} timed out", "timeout") from exc
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         inst.breaker.failure(time.monotonic())
         raise upstream_error(
             502, f"prefill on {inst.name} failed: {type(exc).__name__}", "upstream_unreachable"
@@ -73,18 +74,14 @@ async def _prefill(state: GatewayState, attempt: Attempt, body: dict[str, Any]) 
     finally:
         state.load.finish(attempt.ticket)
     state.metrics.ttft.labels(inst.name).observe(time.monotonic() - t0)
-    try:
-        payload: dict[str, Any] = resp.json()
-    except ValueError:
+    if not isinstance(payload, dict):
         payload = {}
-    if resp.status_code != 200:
-        err = payload.get("error", {}) if isinstance(payload, dict) else {}
-        msg = f"prefill on {inst.name}: {err.get('message', resp.text[:200])}"
-        if resp.status_code < 500:
-            raise GatewayError(
-                msg, status=resp.status_code, param=err.get("param"), code=err.get("code")
-            )
-        raise upstream_error(503 if resp.status_code == 503 else 502, msg, "prefill_failed")
+    if status != 200:
+        err = payload.get("error", {}) if isinstance(payload.get("error"), dict) else {}
+        msg = f"prefill on {inst.name}: {err.get('message', text[:200])}"
+        if status < 500:
+            raise GatewayError(msg, status=status, param=err.get("param"), code=err.get("code"))
+        raise upstream_error(503 if status == 503 else 502, msg, "prefill_failed")
     inst.breaker.success()
     kv = payload.get("kv_transfer_params") or {}
     if not isinstance(kv.get("first_tok"), int):
@@ -163,18 +160,13 @@ async def serve_pd(
 
     state.metrics.pd_transfers.labels(pair_name, "transferred" if landed else "recomputed").inc()
     resp = await state.proxy.forward(choose, "/v1/completions", decode, {}, on_done, endpoint)
-    if not isinstance(resp, StreamingResponse) or resp.status_code != 200:
+    if resp.status_code != 200:
         return resp
     where = {"x-kvpool-instance": f"{p_inst.name},{d_name}", "x-kvpool-route-reason": "pd"}
-    if decode["stream"]:
+    if isinstance(resp, StreamingResponse):
         events = _stream(pre, resp.body_iterator, chat)
         return StreamingResponse(events, media_type="text/event-stream", headers=where)
-    raw = b"".join(
-        [c if isinstance(c, bytes) else str(c).encode() async for c in resp.body_iterator]
-    )
-    return JSONResponse(
-        _merge(pre, json.loads(raw), chat), headers={"x-kvpool-instance": f"{p_inst.name},{d_name}"}
-    )
+    return JSONResponse(_merge(pre, json.loads(bytes(resp.body)), chat), headers=where)
 
 
 def _single(pre: dict[str, Any], chat: bool, stream: bool, on_done: Callable[[], None]) -> Response:

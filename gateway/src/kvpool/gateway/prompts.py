@@ -14,12 +14,11 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import httpx
-
 from kvpool.gateway.config import ConfigError, GatewayConfig
 from kvpool.gateway.errors import GatewayError, bad_request, upstream_error
 from kvpool.gateway.instances import InstanceSet
 from kvpool.gateway.models import ChatBody, CompletionBody
+from kvpool.gateway.upstream import CALL_ERRORS, Upstream
 from kvpool.protocol.chat import ChatError, ChatMessage, TextTokenizer, content_text, load_tokenizer
 
 TOKENIZE_TIMEOUT_S = 5.0
@@ -42,9 +41,9 @@ class Encoder(Protocol):
 class RemoteEncoder:
     """Tokenizes on a ready instance (``POST /tokenize``, the worker's own tokenizer)."""
 
-    def __init__(self, instances: InstanceSet, http: httpx.AsyncClient) -> None:
+    def __init__(self, instances: InstanceSet, upstream: Upstream) -> None:
         self.instances = instances
-        self.http = http
+        self.upstream = upstream
 
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
         ready = self.instances.available(self.instances)
@@ -55,18 +54,18 @@ class RemoteEncoder:
         last = ""
         for inst in sorted(ready, key=lambda i: i.name)[:2]:
             try:
-                resp = await self.http.post(
-                    f"{inst.url}/tokenize", json=body, timeout=TOKENIZE_TIMEOUT_S
+                status, payload, _ = await self.upstream.post_json(
+                    f"{inst.url}/tokenize", body, TOKENIZE_TIMEOUT_S
                 )
-            except httpx.HTTPError as exc:
+            except CALL_ERRORS as exc:
                 last = f"{inst.name}: {type(exc).__name__}"
                 continue
-            if resp.status_code == 400:
-                err = resp.json().get("error", {})
+            if status == 400 and isinstance(payload, dict):
+                err = payload.get("error", {})
                 raise GatewayError(str(err.get("message", "bad prompt")), param=err.get("param"))
-            if resp.status_code == 200:
-                return [int(t) for t in resp.json()["tokens"]]
-            last = f"{inst.name}: HTTP {resp.status_code}"
+            if status == 200 and isinstance(payload, dict):
+                return [int(t) for t in payload["tokens"]]
+            last = f"{inst.name}: HTTP {status}"
         raise upstream_error(502, f"tokenization failed ({last})", "tokenize_failed")
 
     async def completion(self, prompt: str) -> list[int]:
@@ -119,11 +118,11 @@ class LocalEncoder:
         return await self._run(size, render)
 
 
-def encoder_for(config: GatewayConfig, instances: InstanceSet, http: httpx.AsyncClient) -> Encoder:
+def encoder_for(config: GatewayConfig, instances: InstanceSet, upstream: Upstream) -> Encoder:
     """The encoder for ``config``: local when ``tokenizer`` names the model's tokenizer
     files, else the workers' own ``/tokenize`` (exact too, one round trip more)."""
     if config.tokenizer is None:
-        return RemoteEncoder(instances, http)
+        return RemoteEncoder(instances, upstream)
     try:
         return LocalEncoder(load_tokenizer(config.tokenizer))
     except (OSError, ValueError) as exc:

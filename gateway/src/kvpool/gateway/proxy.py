@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
 from kvpool.gateway.errors import GatewayError, error_body, upstream_error
@@ -26,6 +26,7 @@ from kvpool.gateway.instances import Instance
 from kvpool.gateway.load import LoadTracker, Ticket
 from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.reliability import backoff_s
+from kvpool.gateway.upstream import CONNECT_ERRORS, CUT_ERRORS, TIMEOUT_ERRORS, Upstream
 
 logger = logging.getLogger(__name__)
 
@@ -60,43 +61,45 @@ class _RetryableError(Exception):
 class Proxy:
     """Sends requests to instances with the retry and streaming rules above."""
 
-    client: httpx.AsyncClient
+    upstream: Upstream
     load: LoadTracker
     metrics: GatewayMetrics
     retries: int
     upstream_timeout_s: float
     clock: Callable[[], float] = time.monotonic
 
+    def _timeout(self, name: str, what: str) -> GatewayError:
+        return upstream_error(504, f"{name} {what} within {self.upstream_timeout_s:g}s", "timeout")
+
     async def _open(
-        self, attempt: Attempt, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[httpx.Response, bytes, AsyncIterator[bytes]]:
-        """Send and read the answer's status and first chunk; classify failures."""
+        self,
+        attempt: Attempt,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        stream: bool,
+    ) -> tuple[aiohttp.ClientResponse, bytes]:
+        """Send; read the first chunk (streamed) or the whole answer; classify failures."""
         inst = attempt.instance
-        request = self.client.build_request("POST", f"{inst.url}{path}", json=body, headers=headers)
         try:
-            resp = await self.client.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+            resp = await self.upstream.post(f"{inst.url}{path}", body, headers)
+        except CONNECT_ERRORS as exc:
             raise _RetryableError("connect", f"{inst.name}: {type(exc).__name__}: {exc}") from exc
-        except httpx.TimeoutException as exc:
-            raise upstream_error(
-                504, f"{inst.name} did not answer within {self.upstream_timeout_s:g}s", "timeout"
-            ) from exc
-        if resp.status_code in RETRYABLE_STATUS:
-            text = (await resp.aread())[:500].decode(errors="replace")
-            await resp.aclose()
-            raise _RetryableError(f"status_{resp.status_code}", f"{inst.name}: {text}")
-        chunks = resp.aiter_raw()
+        except TIMEOUT_ERRORS as exc:
+            raise self._timeout(inst.name, "did not answer") from exc
+        if resp.status in RETRYABLE_STATUS:
+            text = (await resp.read())[:500].decode(errors="replace")
+            resp.release()
+            raise _RetryableError(f"status_{resp.status}", f"{inst.name}: {text}")
         try:
-            first = await anext(chunks, b"")
-        except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
-            await resp.aclose()
+            first = await (resp.content.readany() if stream else resp.read())
+        except TIMEOUT_ERRORS as exc:
+            resp.close()
+            raise self._timeout(inst.name, "sent no byte") from exc
+        except CUT_ERRORS as exc:
+            resp.close()
             raise _RetryableError("cut", f"{inst.name} closed before answering: {exc}") from exc
-        except httpx.TimeoutException as exc:
-            await resp.aclose()
-            raise upstream_error(
-                504, f"{inst.name} sent no byte within {self.upstream_timeout_s:g}s", "timeout"
-            ) from exc
-        return resp, first, chunks
+        return resp, first
 
     async def forward(
         self,
@@ -108,7 +111,11 @@ class Proxy:
         endpoint: str,
     ) -> Response:
         """Forward ``body`` to ``path`` on the chosen instance; ``on_done`` runs exactly once
-        when the answer has been fully sent (or failed), also for a disconnected client."""
+        when the answer has been fully sent (or failed), also for a disconnected client.
+
+        A streamed request is answered as the upstream's chunks arrive; any other with the
+        whole answer at once (one write, with Content-Length)."""
+        stream = bool(body.get("stream"))
         failed: set[str] = set()
         last: _RetryableError | None = None
         try:
@@ -126,7 +133,7 @@ class Proxy:
                     continue
                 t0 = self.clock()
                 try:
-                    resp, first, chunks = await self._open(attempt, path, body, headers)
+                    resp, first = await self._open(attempt, path, body, headers, stream)
                 except _RetryableError as exc:
                     inst.breaker.failure(self.clock())
                     self.load.finish(attempt.ticket)
@@ -145,7 +152,7 @@ class Proxy:
                 inst.breaker.success()
                 ttft = self.load.first_byte(attempt.ticket, self.clock())
                 self.metrics.ttft.labels(inst.name).observe(ttft)
-                response = await self._respond(attempt, resp, first, chunks, t0, on_done, endpoint)
+                response = self._respond(attempt, resp, first, stream, t0, on_done, endpoint)
                 on_done = _noop  # the response owns it now
                 return response
         finally:
@@ -155,12 +162,12 @@ class Proxy:
             raise upstream_error(503, f"every instance tried is unavailable{what}", "unavailable")
         raise upstream_error(502, f"no instance could be reached{what}", "upstream_unreachable")
 
-    async def _respond(
+    def _respond(
         self,
         attempt: Attempt,
-        resp: httpx.Response,
+        resp: aiohttp.ClientResponse,
         first: bytes,
-        chunks: AsyncIterator[bytes],
+        stream: bool,
         t0: float,
         on_done: Callable[[], None],
         endpoint: str,
@@ -170,10 +177,8 @@ class Proxy:
         headers["x-kvpool-instance"] = inst.name
         headers["x-kvpool-route-reason"] = attempt.reason
         headers["x-kvpool-predicted-hit-tokens"] = str(attempt.predicted_hit_tokens)
-        status = resp.status_code
-        if status >= 500:
-            # The worker's own 5xx (not 503): report as a bad gateway, with its message.
-            self.metrics.upstream_errors.labels(inst.name, f"status_{status}").inc()
+        status = resp.status
+        media = resp.headers.get("content-type", "application/json")
 
         def finish(outcome: str) -> None:
             self.load.finish(attempt.ticket)
@@ -181,14 +186,24 @@ class Proxy:
             self.metrics.requests.labels(endpoint, outcome).inc()
             on_done()
 
+        if status >= 500:  # the worker's own 5xx (not 503): a bad gateway, with its message
+            self.metrics.upstream_errors.labels(inst.name, f"status_{status}").inc()
+            resp.close()
+            finish(str(status))
+            return _bad_gateway(inst.name, status, first)
+        if not stream:
+            resp.release()
+            finish(str(status))
+            return Response(first, status_code=status, headers=headers, media_type=media)
+
         async def body() -> AsyncIterator[bytes]:
             outcome = str(status)
             try:
                 if first:
                     yield first
-                async for chunk in chunks:
+                async for chunk in resp.content.iter_any():
                     yield chunk
-            except httpx.HTTPError as exc:
+            except (*CUT_ERRORS, *TIMEOUT_ERRORS) as exc:
                 outcome = "cut"
                 inst.breaker.failure(self.clock())
                 self.metrics.upstream_errors.labels(inst.name, "cut").inc()
@@ -203,14 +218,12 @@ class Proxy:
                 outcome = "client_gone"
                 raise
             finally:
-                await resp.aclose()
+                if outcome == str(status):
+                    resp.release()
+                else:
+                    resp.close()  # drop the connection: the worker aborts the request
                 finish(outcome)
 
-        media = resp.headers.get("content-type", "application/json")
-        if status >= 500:
-            await resp.aclose()
-            finish(str(status))
-            return _bad_gateway(inst.name, status, first)
         return StreamingResponse(body(), status_code=status, headers=headers, media_type=media)
 
 

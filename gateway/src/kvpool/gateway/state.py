@@ -32,6 +32,7 @@ from kvpool.gateway.proxy import Proxy
 from kvpool.gateway.reliability import KeyedBuckets
 from kvpool.gateway.routing import Guards, Router, make_policy
 from kvpool.gateway.selection import Selector
+from kvpool.gateway.upstream import Upstream
 from kvpool.protocol.hashing import chunk_hashes
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class GatewayState:
     env: GatewayEnv
     metrics: GatewayMetrics
     http: httpx.AsyncClient
+    upstream: Upstream
     instances: InstanceSet
     load: LoadTracker
     index: IndexClient
@@ -64,7 +66,7 @@ class GatewayState:
 
     async def start(self) -> None:
         """Probe the instances once (so the first request is routed sensibly), then loop."""
-        await probe_all(self.http, self.instances, self.metrics, 1.0)
+        await probe_all(self.http, self.instances, self.metrics, 3.0)
         self._tasks.append(
             asyncio.create_task(
                 health_loop(
@@ -96,6 +98,7 @@ class GatewayState:
         await self.pd.stop()
         self.index.close()
         await self.http.aclose()
+        await self.upstream.close()
 
 
 def build_state(
@@ -116,6 +119,9 @@ def build_state(
         limits=httpx.Limits(max_connections=limits.max_inflight * 2, max_keepalive_connections=64),
     )
     instances = InstanceSet.from_config(config)
+    upstream = Upstream(
+        limits.max_inflight * 2, limits.connect_timeout_seconds, limits.upstream_timeout_seconds
+    )
     index = IndexClient(
         config.controller_url,
         config.controller_pub_url,
@@ -140,7 +146,7 @@ def build_state(
         metrics,
         config.chunk_size,
     )
-    proxy = Proxy(http, load, metrics, limits.retries, limits.upstream_timeout_seconds)
+    proxy = Proxy(upstream, load, metrics, limits.retries, limits.upstream_timeout_seconds)
     hash_config = config.hash_config(env.hash_seed)
 
     def hasher(tokens: Sequence[int]) -> list[int]:
@@ -152,13 +158,14 @@ def build_state(
         env=env,
         metrics=metrics,
         http=http,
+        upstream=upstream,
         instances=instances,
         load=load,
         index=index,
         selector=selector,
         proxy=proxy,
         admission=Admission(limits.max_inflight, limits.max_queue, limits.queue_timeout_seconds),
-        encoder=encoder or encoder_for(config, instances, http),
+        encoder=encoder or encoder_for(config, instances, upstream),
         hasher=hasher,
         sessions=SessionMemory(limits.sessions),
         pd=PDCoordinator(
