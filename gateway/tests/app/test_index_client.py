@@ -126,3 +126,17 @@ async def test_snapshot_deltas_gap_and_new_epoch() -> None:
         c.up = False
         await until(lambda: not client.usable)
         assert await client.prefix_hits([9]) is None
+
+
+async def test_a_delta_lost_at_the_end_of_a_burst_is_recovered_by_the_quiet_resync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvpool.gateway.index_client as ic
+
+    monkeypatch.setattr(ic, "QUIET_RESYNC_S", 0.3)
+    c = FakeController(keys={"a~fp": [1]}, seq=0)
+    async with controller(c) as (client, publish):
+        await until(lambda: client.in_sync)
+        publish(dl.DeltaOp.ADMIT, "a~fp", [2], skip=True)  # the last delta is lost; none follows
+        await until(lambda: client.replica.seq == c.seq)
+        assert (await client.prefix_hits([1, 2]))["a"].hit_chunks == 2

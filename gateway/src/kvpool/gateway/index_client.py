@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 SNAPSHOT_TIMEOUT_S = 5.0
 LOOKUP_TIMEOUT_S = 0.5
+#: A delta stream quiet this long is re-checked with a snapshot (bounded staleness).
+QUIET_RESYNC_S = 30.0
 
 
 class IndexClient:
@@ -64,6 +66,7 @@ class IndexClient:
         self.last_error: str | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._resync = asyncio.Event()
+        self._last_activity = time.monotonic()  # last delta received or snapshot loaded
 
     # ------------------------------------------------------------------ state
 
@@ -86,6 +89,9 @@ class IndexClient:
     def usable(self) -> bool:
         """Whether lookups can be answered (from the replica or the controller)."""
         return self.in_sync or self.controller_up
+
+    def _quiet_for(self) -> float:
+        return time.monotonic() - self._last_activity
 
     def describe(self) -> dict[str, Any]:
         r = self.replica
@@ -162,6 +168,11 @@ class IndexClient:
                     self.controller_epoch = epoch
                 if self.streaming and self.replica.epoch != self.controller_epoch:
                     self._resync.set()
+                elif self.streaming and self._quiet_for() > QUIET_RESYNC_S:
+                    # PUB has no heartbeat: a delta lost at the end of a burst stays invisible
+                    # until the next one; a quiet stream is re-checked against a snapshot.
+                    self._last_activity = time.monotonic()
+                    self._resync.set()
             self.metrics.index_in_sync.set(1 if self.in_sync else 0)
             await asyncio.sleep(self.poll_interval_s)
 
@@ -183,6 +194,7 @@ class IndexClient:
                 except Exception as exc:  # a malformed frame must not stop the stream
                     logger.warning("undecodable delta batch dropped: %s", exc)
                     continue
+                self._last_activity = time.monotonic()
                 if self.replica.apply_batch(batch):
                     self.metrics.index_deltas.inc(len(batch.deltas))
                 else:
@@ -206,6 +218,7 @@ class IndexClient:
                 continue
             t0 = time.perf_counter()
             ok = self.replica.load_snapshot(snapshot)
+            self._last_activity = time.monotonic()
             self.metrics.index_resyncs.labels(reason).inc()
             logger.info(
                 "index snapshot loaded: epoch %s seq %d, %d workers (%.3fs)%s",
