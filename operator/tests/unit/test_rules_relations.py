@@ -6,6 +6,7 @@ from __future__ import annotations
 from op_builders import p2p, pd, pool
 
 from kvpool.operator.api import KVCachePool, P2PGroup, PDPair
+from kvpool.operator.render import render_domain
 from kvpool.operator.validation import Problem, validate_domain
 
 
@@ -97,3 +98,25 @@ def test_override_values_lmcache_refuses_are_refused_here() -> None:
     ]
     ok = p2p(engine={"lmcacheOverrides": {"min_retrieve_tokens": 64, "pd_backend_mode": "async"}})
     assert _code(pool(), ok, code="override.value") == []
+
+
+def test_a_domain_never_mixes_vllm_and_reference_engines() -> None:
+    """vLLM seeds LMCache's NONE_HASH from PYTHONHASHSEED, the reference engine does not."""
+    cpu = p2p("a", engine={"platform": "cpu"}, transfer={}, enableAsyncLoading=True)
+    (problem,) = _code(pool(), cpu, p2p("b", ports={"base": 21000}), code="domain.hashing")
+    assert problem.path == "P2PGroup/b: spec.engine.platform"
+    assert "never share KV" in problem.message
+    assert problem.fix.startswith("set engine.platform: cpu")
+    assert _code(pool(), p2p("a"), pd(), code="domain.hashing") == []
+
+
+def test_the_controller_hashes_like_the_engines() -> None:
+    def controller_command(*members: P2PGroup | PDPair) -> list[str]:
+        objects = render_domain(pool(), list(members))
+        deployment = next(o for o in objects if o["metadata"]["name"] == "pool-controller")
+        command: list[str] = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+        return command
+
+    assert "--vllm" in controller_command(p2p())
+    cpu = p2p(engine={"platform": "cpu"}, transfer={}, enableAsyncLoading=True)
+    assert "--vllm" not in controller_command(cpu)

@@ -6,6 +6,8 @@ filled-in value and validation checks it, so both read it from here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvpool.operator.api.members import P2PGroup, PDPair
 
 CHANNEL_DEFAULT = {"ascend": "hccl", "cuda": "nixl", "cpu": "nixl"}
@@ -41,3 +43,17 @@ def default_pd_buffer_device(member: PDPair) -> str:
     """pd_buffer_device when the spec leaves it unset: the accelerator, or cpu on cpu."""
     platform = member.spec.prefill.engine.platform
     return member.spec.transfer.buffer_device or PD_BUFFER_DEVICES[platform][0]
+
+
+def member_platforms(member: P2PGroup | PDPair) -> list[str]:
+    """The platform of each engine a member declares."""
+    if isinstance(member, P2PGroup):
+        return [member.spec.engine.platform]
+    return [member.spec.prefill.engine.platform, member.spec.decode.engine.platform]
+
+
+def hashes_like_vllm(members: Sequence[P2PGroup | PDPair]) -> bool:
+    """Whether the domain's engines are vLLM (ascend, cuda): vLLM seeds LMCache's NONE_HASH from
+    PYTHONHASHSEED, kvpool's reference engine (cpu) does not, so the controller (``--vllm``)
+    and the gateway (``vllm: true``) must hash the way the engines do."""
+    return any(p != "cpu" for m in members for p in member_platforms(m))

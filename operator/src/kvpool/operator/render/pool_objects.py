@@ -15,7 +15,7 @@ from kvpool.operator.api.members import P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.derive import names
 from kvpool.operator.derive.instances import instance_url
-from kvpool.operator.derive.platform import pd_sender_pull
+from kvpool.operator.derive.platform import hashes_like_vllm, pd_sender_pull
 from kvpool.operator.derive.ports import p2p_ports, pd_ports
 from kvpool.operator.render import k8s
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
@@ -42,8 +42,9 @@ def domain_configmap(pool: KVCachePool) -> Obj:
     )
 
 
-def controller_objects(pool: KVCachePool) -> list[Obj]:
-    """Controller Deployment and Service; flags mirror lmcache_controller's."""
+def controller_objects(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list[Obj]:
+    """Controller Deployment and Service; flags mirror lmcache_controller's (``--vllm`` when the
+    domain's engines are vLLM, so its token lookups hash like them)."""
     spec = pool.spec.controller
     ns = pool.metadata.namespace
     name = names.controller_name(pool)
@@ -80,6 +81,8 @@ def controller_objects(pool: KVCachePool) -> list[Obj]:
     ]
     if spec.persistence.redis_url:
         command += ["--redis-url", spec.persistence.redis_url]
+    if hashes_like_vllm(members):
+        command.append("--vllm")
     port_map = {
         "http": ports.http,
         "pull": ports.pull,
@@ -106,12 +109,6 @@ def controller_objects(pool: KVCachePool) -> list[Obj]:
         k8s.deployment(name, ns, labels, spec.replicas, pod, k8s.pod_annotations(pool)),
         k8s.service(name, ns, labels, port_map),
     ]
-
-
-def _platforms(member: P2PGroup | PDPair) -> list[str]:
-    if isinstance(member, P2PGroup):
-        return [member.spec.engine.platform]
-    return [member.spec.prefill.engine.platform, member.spec.decode.engine.platform]
 
 
 def _gateway_config(
@@ -172,7 +169,7 @@ def _gateway_config(
         "hashAlgorithm": spec.hash_algorithm,
         # vLLM engines seed LMCache's NONE_HASH from PYTHONHASHSEED; the reference engine
         # (platform cpu) does not import vLLM: the gateway must hash like the engines do.
-        "vllm": any(p != "cpu" for m in members for p in _platforms(m)),
+        "vllm": hashes_like_vllm(members),
         "controllerUrl": names.controller_url(pool),
         "controllerPubUrl": f"tcp://{controller_host}:{spec.controller.ports.pub}",
         "controllerSnapshotUrl": f"tcp://{controller_host}:{spec.controller.ports.snapshot}",
@@ -325,7 +322,7 @@ def pool_objects(
     """Every object the pool itself owns (``ready_pd_pairs``: see gateway_objects)."""
     return [
         domain_configmap(pool),
-        *controller_objects(pool),
+        *controller_objects(pool, members),
         *gateway_objects(pool, members, ready_pd_pairs),
         *mooncake_objects(pool),
     ]

@@ -14,8 +14,9 @@ from kvpool.operator.api.members import P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.derive.instances import engines
 from kvpool.operator.derive.ownership import owned_engine_flags
+from kvpool.operator.derive.platform import member_platforms
 from kvpool.operator.quantity import parse_quantity
-from kvpool.operator.validation.problems import Problem, remove_field, set_field, where
+from kvpool.operator.validation.problems import Problem, key, remove_field, set_field, where
 from kvpool.protocol.domain import MAX_HASH_SEED
 
 Members = list[P2PGroup | PDPair]
@@ -68,6 +69,7 @@ def rule1_domain(pool: KVCachePool, members: Members) -> list[Problem]:
                 patch=(set_field(pool, "spec.hashSeed", "auto"),),
             )
         )
+    out += _hashing(members)
     owned = owned_engine_flags()
     for member in members:
         if member.spec.pool_ref.name != pool.metadata.name:
@@ -112,6 +114,38 @@ def rule1_domain(pool: KVCachePool, members: Members) -> list[Problem]:
                         ),
                     )
                 )
+    return out
+
+
+def _hashing(members: Members) -> list[Problem]:
+    """vLLM engines (ascend, cuda) and the reference engine (cpu) hash chunks differently
+    (LMCache's NONE_HASH seeded from PYTHONHASHSEED or not): one domain, one kind."""
+    ordered = sorted(members, key=lambda m: (m.kind, m.metadata.name))
+    if not ordered:
+        return []
+    first = ordered[0]
+    want = member_platforms(first)[0]
+    vllm = want != "cpu"
+    out: list[Problem] = []
+    for member in ordered[1:]:
+        if all((p != "cpu") == vllm for p in member_platforms(member)):
+            continue
+        paths = [path for path, _, _ in engines(member)]
+        out.append(
+            Problem(
+                where(member, f"{paths[0]}.platform"),
+                f"{key(first)} runs {'vLLM' if vllm else 'the reference engine'} (platform "
+                f"{want}) and this member "
+                f"{'the reference engine (platform cpu)' if vllm else 'vLLM'}: their chunk hashes "
+                "differ (vLLM seeds LMCache's NONE_HASH from PYTHONHASHSEED), so they would "
+                "never share KV in one domain",
+                f"set {', '.join(p.removeprefix('spec.') for p in paths)}.platform: {want}, or "
+                "put this member in a pool of its own",
+                rule=1,
+                code="domain.hashing",
+                patch=tuple(set_field(member, f"{path}.platform", want) for path in paths),
+            )
+        )
     return out
 
 
