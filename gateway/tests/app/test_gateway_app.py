@@ -318,3 +318,18 @@ async def test_memory_api_fans_out_and_reports_per_instance() -> None:
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "chunk_hashes"
         two = await client.post("/memory/evict", json={"token_ids": [1], "text": "x"})
         assert two.status_code == 400
+
+
+async def test_a_burst_with_one_new_prefix_goes_to_one_instance() -> None:
+    """Before any admit reaches the controller, pending entries keep a burst together."""
+    scripts = [Script(n, first_byte_delay_s=0.3) for n in ("a", "b", "c")]
+    async with gateway(scripts, ControllerScript()) as (client, _):
+        body = {
+            "prompt": "a brand new shared system prompt, long enough for chunks",
+            "max_tokens": 2,
+        }
+        results = await asyncio.gather(
+            *(client.post("/v1/completions", json=body) for _ in range(5))
+        )
+        assert {r.status_code for r in results} == {200}
+        assert len({r.headers["x-kvpool-instance"] for r in results}) == 1
