@@ -25,6 +25,11 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ASSETS = Path(__file__).resolve().parent.parent / "src" / "kvpool" / "worker" / "assets"
+# The tokenizer pair ships with kvpool.protocol (the gateway tokenizes with it too).
+TOKENIZER_ASSETS = (
+    Path(__file__).resolve().parents[2]
+    / "protocol" / "src" / "kvpool" / "protocol" / "assets" / "reference_tokenizer"
+)  # fmt: skip
 VOCAB_SIZE = 8192
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 SEED = 20260101
@@ -395,24 +400,30 @@ def tokenizer_config() -> dict[str, object]:
     }
 
 
-def write_all(out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
+def write_all(out: Path, tokenizer_out: Path | None = None) -> list[Path]:
+    """The corpus into ``out``, the tokenizer pair into ``tokenizer_out`` (default ``out``)."""
+    tok_dir = out if tokenizer_out is None else tokenizer_out
+    for directory in (out, tok_dir):
+        directory.mkdir(parents=True, exist_ok=True)
     corpus = make_corpus()
     corpus_path = out / "corpus.txt"
     corpus_path.write_text(corpus, encoding="utf-8")
     tokenizer = train_tokenizer(corpus)
-    tok_path = out / "tokenizer.json"
+    tok_path = tok_dir / "tokenizer.json"
     tok_path.write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
-    cfg_path = out / "tokenizer_config.json"
+    cfg_path = tok_dir / "tokenizer_config.json"
     cfg_path.write_text(json.dumps(tokenizer_config(), indent=2) + "\n", encoding="utf-8")
     return [corpus_path, tok_path, cfg_path]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ASSETS, help="output directory")
+    parser.add_argument(
+        "--out", type=Path, help="one output directory (default: the committed asset places)"
+    )
     args = parser.parse_args(argv)
-    for path in write_all(args.out):
+    written = write_all(args.out) if args.out else write_all(ASSETS, TOKENIZER_ASSETS)
+    for path in written:
         print(f"wrote {path} ({path.stat().st_size} bytes)")
     return 0
 

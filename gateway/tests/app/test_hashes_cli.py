@@ -2,8 +2,7 @@
 renders for examples/cpu-demo.yaml, checked against LMCache's own ChunkedTokenDatabase and HF
 transformers' chat rendering (what vLLM runs), and bad input refused naming the flag.
 
-The reference tokenizer is the worker's committed asset (read as a file; the gateway does not
-import the worker).
+The reference tokenizer is the one kvpool.protocol ships (the worker serves with it).
 """
 
 from __future__ import annotations
@@ -21,9 +20,10 @@ import yaml
 from kvpool.gateway.cli import main
 from kvpool.operator.loader import load_text
 from kvpool.operator.render import render_domain
+from kvpool.protocol.chat import REFERENCE_TOKENIZER_DIR
 
 REPO = Path(__file__).resolve().parents[3]
-REFERENCE_TOKENIZER = REPO / "worker" / "src" / "kvpool" / "worker" / "assets"
+REFERENCE_TOKENIZER = REFERENCE_TOKENIZER_DIR
 CLI = [str(Path(sys.executable).with_name("kvpool-gateway")), "hashes"]
 pytestmark = pytest.mark.timeout(120)
 

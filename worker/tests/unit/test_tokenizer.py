@@ -13,19 +13,14 @@ from types import ModuleType
 
 import pytest
 
-from kvpool.protocol.chat import ChatMessage, TextTokenizer
+from kvpool.protocol.chat import REFERENCE_TOKENIZER_DIR, ChatMessage, TextTokenizer
 from kvpool.worker.engine_api import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     PAD_TOKEN_ID,
     REFERENCE_VOCAB_SIZE,
 )
-from kvpool.worker.tokenizer import (
-    ASSETS_DIR,
-    IncrementalDetokenizer,
-    TextStream,
-    load_tokenizer,
-)
+from kvpool.worker.tokenizer import IncrementalDetokenizer, TextStream, load_tokenizer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_tokenizer.py"
 
@@ -47,8 +42,9 @@ def tok() -> TextTokenizer:
 def test_committed_assets_are_what_the_script_generates(tmp_path: Path) -> None:
     written = _script().write_all(tmp_path)
     assert {p.name for p in written} == {"corpus.txt", "tokenizer.json", "tokenizer_config.json"}
+    committed_at = {"corpus.txt": SCRIPT.parents[1] / "src" / "kvpool" / "worker" / "assets"}
     for path in written:
-        committed = ASSETS_DIR / path.name
+        committed = committed_at.get(path.name, REFERENCE_TOKENIZER_DIR) / path.name
         assert committed.read_bytes() == path.read_bytes(), f"{path.name} drifted: rerun script"
 
 

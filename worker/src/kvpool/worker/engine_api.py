@@ -125,7 +125,7 @@ class Engine(Protocol):
         ...
 
 
-# Special tokens of the generated reference tokenizer (worker/assets/tokenizer.json).
+# Special tokens of the generated reference tokenizer (kvpool.protocol REFERENCE_TOKENIZER_DIR).
 PAD_TOKEN_ID = 0
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2

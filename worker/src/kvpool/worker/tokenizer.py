@@ -17,14 +17,13 @@ from kvpool.protocol import chat
 
 logger = logging.getLogger(__name__)
 
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
-
 
 def load_tokenizer(path: str | Path | None = None) -> chat.TextTokenizer:
     """The tokenizer at ``path`` (see :func:`kvpool.protocol.chat.load_tokenizer`); ``None``
-    loads the committed reference tokenizer from the package assets."""
-    tokenizer = chat.load_tokenizer(path if path is not None else ASSETS_DIR)
-    logger.info("loaded tokenizer %s (%d ids)", path or ASSETS_DIR, tokenizer.vocab_size)
+    loads the reference engine's (``kvpool.protocol.chat.REFERENCE_TOKENIZER_DIR``)."""
+    target = path if path is not None else chat.REFERENCE_TOKENIZER_DIR
+    tokenizer = chat.load_tokenizer(target)
+    logger.info("loaded tokenizer %s (%d ids)", target, tokenizer.vocab_size)
     return tokenizer
 
 
