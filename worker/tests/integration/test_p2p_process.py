@@ -5,7 +5,8 @@ engine, NIXL over UCX on 127.0.0.1 (``transfer_channel: nixl``; never py_socket 
 mock_memory, which move no data). Worker B serves a prompt that only worker A computed: B's
 scheduler waits on LMCache's asynchronous lookup, LMCache pulls A's chunks, B's greedy answer
 equals A's cold answer. Then: a conversation's next turn hits the previous answer, A's
-prefetch leases are back to zero, and A killed without deregistering never makes B hang.
+prefetch leases are back to zero, A killed without deregistering never makes B hang, and a
+worker of another cache domain that the controller refuses is not ready, with the reason.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def wait_for(fn: object, timeout_s: float) -> None:
 
 def test_peer_prefix_is_pulled_and_answers_like_a_cold_run(stack: Stack) -> None:
     ctl = stack.controller(ttl_s=4.0)
+    # C belongs to another cache domain (another PYTHONHASHSEED): the controller refuses it.
+    c = stack.worker("p2p-c", stack.p2p_config("p2p-c", ctl, seed="7"), wait=False, seed="7")
     a = stack.worker("p2p-a", stack.p2p_config("p2p-a", ctl))
     b = stack.worker("p2p-b", stack.p2p_config("p2p-b", ctl))
     http = httpx.Client(base_url=ctl["http"], timeout=5)
@@ -82,3 +85,12 @@ def test_peer_prefix_is_pulled_and_answers_like_a_cold_run(stack: Stack) -> None
     t0 = time.monotonic()
     assert cached(complete(b, fresh, 2)) == 0
     assert time.monotonic() - t0 < 20
+
+    # 5. C is not ready, and /readyz and its log carry the controller's reason.
+    ready = httpx.get(f"{c}/readyz", timeout=5)
+    assert ready.status_code == 503 and ready.json()["status"] == "refused", ready.text
+    assert "fingerprint" in ready.json()["reason"]
+    assert "refused instance p2p-c~" in stack.log("p2p-c")
+    assert (
+        httpx.post(f"{c}/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 503
+    )

@@ -27,9 +27,15 @@ from kvpool.protocol.domain import DomainFacts, domain_fingerprint
 
 BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 150
-FINGERPRINT = domain_fingerprint(
-    DomainFacts(16, 256, "builtin", "42", "float32", "kvpool/reference-tiny")
-)
+
+
+def fingerprint(seed: str) -> str:
+    return domain_fingerprint(
+        DomainFacts(16, 256, "builtin", seed, "float32", "kvpool/reference-tiny")
+    )
+
+
+FINGERPRINT = fingerprint("42")
 CHANNEL = {"transfer_channel": "nixl", "nixl_backends": ["UCX"]}
 
 
@@ -39,18 +45,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def worker_env(config: Path) -> dict[str, str]:
+def worker_env(config: Path, seed: str = "42") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "KVPOOL_", "UCX_"))}
     env.update(
         PYTHONUNBUFFERED="1",
         LMCACHE_TRACK_USAGE="false",
         VLLM_ENABLE_V1_MULTIPROCESSING="1",
         VLLM_WORKER_MULTIPROC_METHOD="spawn",
-        PYTHONHASHSEED="42",
+        PYTHONHASHSEED=seed,
         POD_IP="127.0.0.1",
         OMP_NUM_THREADS="1",
         LMCACHE_CONFIG_FILE=str(config),
-        KVPOOL_DOMAIN_FINGERPRINT=FINGERPRINT,
+        KVPOOL_DOMAIN_FINGERPRINT=fingerprint(seed),
     )
     return env
 
@@ -77,6 +83,7 @@ class Stack:
         argv = [
             str(BIN / "kvpool-controller"), "--host", "127.0.0.1", "--port", str(http),
             "--monitor-ports", ports, "--advertise-host", "127.0.0.1",
+            "--fingerprint", FINGERPRINT,
             "--lmcache-worker-timeout", str(ttl_s), "--health-check-interval", "1",
         ]  # fmt: skip
         proc = self._spawn("controller", argv, {**os.environ, "PYTHONHASHSEED": "42"})
@@ -87,10 +94,10 @@ class Stack:
             "controller_reply_url": f"127.0.0.1:{reply}",
         }
 
-    def p2p_config(self, name: str, controller: dict[str, str]) -> dict[str, Any]:
+    def p2p_config(self, name: str, controller: dict[str, str], seed: str = "42") -> dict[str, Any]:
         return {
             "chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 0.25,
-            "lmcache_instance_id": f"{name}~{FINGERPRINT}",
+            "lmcache_instance_id": f"{name}~{fingerprint(seed)}",
             "enable_controller": True,
             "controller_pull_url": controller["controller_pull_url"],
             "controller_reply_url": controller["controller_reply_url"],
@@ -102,7 +109,9 @@ class Stack:
             "extra_config": {"worker_socket_recv_timeout_ms": 3000},
         }  # fmt: skip
 
-    def worker(self, name: str, config: dict[str, Any], *, wait: bool = True) -> str:
+    def worker(
+        self, name: str, config: dict[str, Any], *, wait: bool = True, seed: str = "42"
+    ) -> str:
         path = self.tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
         port = free_port()
@@ -111,7 +120,7 @@ class Stack:
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
             "--num-kv-blocks", "256",
         ]  # fmt: skip
-        proc = self._spawn(name, argv, worker_env(path))
+        proc = self._spawn(name, argv, worker_env(path, seed))
         url = f"http://127.0.0.1:{port}"
         if wait:
             self._wait_http(proc, f"{url}/readyz", name)

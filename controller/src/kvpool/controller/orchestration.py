@@ -9,6 +9,7 @@ TP rank reports the same count; here a disagreement is an error message).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Callable
@@ -152,22 +153,22 @@ async def _health(svc: ControllerService, msg: p.HealthMsg) -> p.HealthRetMsg:
     worker_ids = svc.registry.worker_ids(msg.instance_id)
     if not worker_ids:
         raise ControlError(f"instance {msg.instance_id!r} has no registered worker")
-    codes: dict[int, int] = {}
-    for worker_id in worker_ids:
+    control = svc.control
+
+    async def one(worker_id: int) -> int:
         try:
-            [result] = await svc.control.fan_out(
+            [result] = await control.fan_out(
                 msg.instance_id,
                 [worker_id],
                 lambda w: p.HealthWorkerMsg(f"HealthWorker{w}{uuid.uuid4()}"),
             )
         except ControlError as exc:
             logger.warning("health of %s/%s: %s", msg.instance_id, worker_id, exc)
-            codes[worker_id] = -1004  # unreachable (LMCache uses -1001..-1003 for the others)
-            continue
+            return -1004  # unreachable (LMCache uses -1001..-1003 for the others)
         if isinstance(result, p.HealthWorkerRetMsg):
-            codes[worker_id] = result.error_code
-        elif isinstance(result, p.ErrorMsg):
-            codes[worker_id] = -1001
-        else:
-            codes[worker_id] = -1002
-    return p.HealthRetMsg(msg.event_id, codes)
+            return int(result.error_code)
+        return -1001 if isinstance(result, p.ErrorMsg) else -1002
+
+    # All TP ranks at once: one hung rank costs the control timeout once, not once per rank.
+    results = await asyncio.gather(*(one(w) for w in worker_ids))
+    return p.HealthRetMsg(msg.event_id, dict(zip(worker_ids, results, strict=True)))

@@ -81,8 +81,25 @@ class WorkerRuntime:
         self._idle.set()
 
     @property
+    def refusal(self) -> str | None:
+        """The controller's reason for refusing this worker (another domain's fingerprint)."""
+        reason = getattr(getattr(self.engine, "offload", None), "controller_refusal", None)
+        return reason if isinstance(reason, str) else None
+
+    @property
     def ready(self) -> bool:
-        return self.started and not self.draining and self.start_error is None
+        return (
+            self.started and not self.draining and self.start_error is None and self.refusal is None
+        )
+
+    @property
+    def state(self) -> str:
+        """Why not ready: draining, failed, refused or starting."""
+        if self.draining:
+            return "draining"
+        if self.start_error:
+            return "failed"
+        return "refused" if self.refusal is not None else "starting"
 
     def _update_ready(self) -> None:
         self.metrics.ready.set(1 if self.ready else 0)
@@ -137,10 +154,11 @@ class _GateMiddleware:
             return
         rt = self.runtime
         if not rt.ready:
-            state = "draining" if rt.draining else "failed" if rt.start_error else "starting"
+            state = rt.state
             msg = {
                 "draining": "the worker is shutting down; retry on another instance",
                 "failed": f"the engine failed to start: {rt.start_error}",
+                "refused": f"the KV controller refused this worker: {rt.refusal}",
                 "starting": "the engine is still starting; retry when /readyz is 200",
             }[state]
             body = json.dumps(error_body(msg, code=state, type_="service_unavailable"))
@@ -205,6 +223,7 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
             status_code=500,
         )
 
+    @app.get("/health")  # vLLM and SGLang servers serve /health; sglang-router requires it
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         if runtime.start_error:
@@ -213,10 +232,13 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
+        runtime.metrics.ready.set(1 if runtime.ready else 0)
         if runtime.ready:
             return JSONResponse({"status": "ready", "model": served})
-        state = "draining" if runtime.draining else "failed" if runtime.start_error else "starting"
-        return JSONResponse({"status": state}, status_code=503)
+        body = {"status": runtime.state}
+        if runtime.refusal is not None:
+            body["reason"] = runtime.refusal
+        return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -35,6 +35,7 @@ from kvpool.worker.engine.offload.connector import (
 )
 from kvpool.worker.engine.offload.memory_ops import MemoryOps
 from kvpool.worker.engine.offload.prefetch import PrefetchOps
+from kvpool.worker.engine.offload.registration import RegistrationCheck
 from kvpool.worker.engine.offload.storage_ops import (
     close_redis,
     deregister_first,
@@ -161,6 +162,11 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
             raise OffloadConfigError(f"LMCache engine {self.instance_id!r} failed: {e}") from e
         assert self.engine.storage_manager is not None
         self._storage = self.engine.storage_manager
+        self._registration = (
+            RegistrationCheck(self.engine, str(cfg.controller_reply_url), self.instance_id)
+            if cfg.enable_controller and cfg.controller_reply_url
+            else None
+        )
         self._prober = (
             tiers.HealthProber(self._remote_health, self._on_remote_health)
             if self._remote_health is not None
@@ -173,6 +179,12 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
             self.chunk_size,
             self._payload_bytes_per_token,
         )
+
+    @property
+    def controller_refusal(self) -> str | None:
+        """Why the controller refused this worker's registration (None: accepted or no
+        controller); the worker is then not ready."""
+        return None if self._registration is None else self._registration.refusal
 
     # --- helpers ---------------------------------------------------------------------------
     def _count(self, name: str, value: float = 1.0) -> None:
