@@ -284,13 +284,14 @@ async def test_api_keys_and_rate_limit() -> None:
 
 async def test_pinning_header_moves_a_request_on_purpose() -> None:
     a, b = Script("a"), Script("b")
-    async with gateway([a, b], ControllerScript(hits={"a~x": 4})) as (client, _):
+    async with gateway([a, b], ControllerScript(hits={"a~x": 4})) as (client, state):
         r = await client.post("/v1/completions", json=PROMPT, headers={"x-kvpool-instance": "b"})
         assert (
             r.headers["x-kvpool-instance"] == "b" and r.headers["x-kvpool-route-reason"] == "pinned"
         )
         r = await client.post("/v1/completions", json=PROMPT, headers={"x-kvpool-instance": "zz"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "x-kvpool-instance"
+        assert state.admission.inflight == 0  # refused before it took a slot
 
 
 async def test_memory_api_fans_out_and_reports_per_instance() -> None:

@@ -79,6 +79,7 @@ async def serve(
     prompt = Prompt(len(tokens), tuple(state.hasher(tokens)), session)
     pair = pd_pair_for(state, request)
     headers = {SESSION_HEADER: session} if session else {}
+    pinned = pinned_instance(state, request)  # a bad header is refused before taking a slot
     await state.admission.acquire()
     if pair is not None:
         release = once(state.admission.release)
@@ -87,7 +88,6 @@ async def serve(
         except BaseException:
             release()
             raise
-    pinned = pinned_instance(state, request)
     pool = [pinned] if pinned is not None else state.instances.peers()
 
     async def choose(n: int, exclude: set[str]) -> Attempt:
