@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpool.gateway.errors import GatewayError, upstream_error
 from kvpool.gateway.proxy import Attempt
-from kvpool.gateway.routing import LeastLoadPolicy, RouteRequest
+from kvpool.gateway.routing import Decision, LeastLoadPolicy, RouteRequest
 from kvpool.gateway.selection import Prompt
 from kvpool.gateway.state import GatewayState
 from kvpool.gateway.upstream import TIMEOUT_ERRORS
@@ -117,6 +117,9 @@ async def serve_pd(
             503, f"PD pair {pair_name}: no decode instance is ready", "no_instance_available"
         )
     d_name = LeastLoadPolicy().choose(RouteRequest(prompt.tokens, sel.chunk_size), cands).instance
+    # the decoder gets the whole prompt's KV by transfer: nothing of it is queued prefill there
+    d_decision = Decision(d_name, "pd-decode-least-load", prompt.tokens)
+    state.metrics.decisions.labels(d_decision.reason, d_name).inc()
     d_inst = state.instances.by_name[d_name]
     target = state.pd.targets[d_name]
     req_id = uuid.uuid4().hex
@@ -156,7 +159,7 @@ async def serve_pd(
             raise upstream_error(
                 502, f"PD pair {pair_name}: decode on {d_name} failed", "decode_failed"
             )
-        return sel.admit(d_inst, prompt, p_decision)
+        return sel.admit(d_inst, prompt, d_decision)
 
     state.metrics.pd_transfers.labels(pair_name, "transferred" if landed else "recomputed").inc()
     resp = await state.proxy.forward(choose, "/v1/completions", decode, {}, on_done, endpoint)
