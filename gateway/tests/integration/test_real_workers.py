@@ -22,7 +22,6 @@ import pytest
 from fakes import serving
 from realstack import BIN, FACTS, SEED, Procs, base_env, free_port
 
-import kvpool.worker
 from kvpool.gateway.app import build_app
 from kvpool.gateway.config import GatewayEnv, parse_config
 from kvpool.gateway.prompts import LocalEncoder, RemoteEncoder
@@ -30,8 +29,6 @@ from kvpool.gateway.state import build_state
 from kvpool.protocol.domain import domain_fingerprint, instance_id
 
 pytestmark = pytest.mark.timeout(400)
-#: The reference engine's tokenizer files (what a pod would mount for the gateway).
-REFERENCE_TOKENIZER = Path(kvpool.worker.__file__).parent / "assets"
 
 
 @pytest.fixture
@@ -105,7 +102,7 @@ async def test_streamed_chat_then_next_turn_hits_its_kv_through_routing(
         "controllerSnapshotUrl": domain["snapshot"],
         "p2pGroups": [{"name": "g", "instances": domain["workers"]}],
         "limits": {"healthIntervalSeconds": 0.5},
-        "tokenizer": str(REFERENCE_TOKENIZER),  # the gateway tokenizes locally
+        "tokenizer": "reference",  # the gateway tokenizes locally, as rendered for cpu pools
     }
     state = build_state(
         parse_config(raw), GatewayEnv(PYTHONHASHSEED=SEED), pd_bind_host="127.0.0.1"

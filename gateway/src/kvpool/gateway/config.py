@@ -110,7 +110,9 @@ class GatewayConfig(_Model):
     routing: Routing = Routing()
     p2p_groups: list[P2PGroupConfig] = Field(default_factory=list, alias="p2pGroups")
     pd_pairs: list[PDPairConfig] = Field(default_factory=list)
-    tokenizer: str | None = None
+    tokenizer: str | None = Field(
+        None, description="tokenizer.json or its directory, 'reference', or absent (workers')"
+    )
     guards: Guards = Guards()
     limits: Limits = Limits()
 

@@ -19,9 +19,18 @@ from kvpool.gateway.errors import GatewayError, bad_request, upstream_error
 from kvpool.gateway.instances import InstanceSet
 from kvpool.gateway.models import ChatBody, CompletionBody
 from kvpool.gateway.upstream import CALL_ERRORS, Upstream
-from kvpool.protocol.chat import ChatError, ChatMessage, TextTokenizer, content_text, load_tokenizer
+from kvpool.protocol.chat import (
+    REFERENCE_TOKENIZER_DIR,
+    ChatError,
+    ChatMessage,
+    TextTokenizer,
+    content_text,
+    load_tokenizer,
+)
 
 TOKENIZE_TIMEOUT_S = 5.0
+#: ``tokenizer: reference`` in gateway.yaml: kvpool's reference engine tokenizer.
+REFERENCE = "reference"
 
 
 class Encoder(Protocol):
@@ -123,8 +132,9 @@ def encoder_for(config: GatewayConfig, instances: InstanceSet, upstream: Upstrea
     files, else the workers' own ``/tokenize`` (exact too, one round trip more)."""
     if config.tokenizer is None:
         return RemoteEncoder(instances, upstream)
+    path = REFERENCE_TOKENIZER_DIR if config.tokenizer == REFERENCE else config.tokenizer
     try:
-        return LocalEncoder(load_tokenizer(config.tokenizer))
+        return LocalEncoder(load_tokenizer(path))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"tokenizer: {exc}") from None
 
