@@ -90,6 +90,15 @@
   - patch
   - delete
 - apiGroups:
+  - networking.k8s.io
+  resources:
+  - networkpolicies
+  verbs:
+  - list
+  - create
+  - patch
+  - delete
+- apiGroups:
   - ''
   resources:
   - pods

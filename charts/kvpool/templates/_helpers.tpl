@@ -31,9 +31,3 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "kvpool.webhookMode" -}}
 {{- if .Values.webhook.enabled -}}{{ .Values.webhook.certMode }}{{- else -}}none{{- end -}}
 {{- end -}}
-
-{{/* Namespaces whose cache domains get NetworkPolicies: networkPolicies.namespaces, else watchNamespaces. */}}
-{{- define "kvpool.domainNamespaces" -}}
-{{- $ns := .Values.networkPolicies.namespaces | default .Values.watchNamespaces -}}
-{{- toJson $ns -}}
-{{- end -}}

@@ -34,6 +34,7 @@ PLURALS = {
     "StatefulSet": "apis/apps/v1/namespaces/{ns}/statefulsets",
     "ConfigMap": "api/v1/namespaces/{ns}/configmaps",
     "PodDisruptionBudget": "apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
+    "NetworkPolicy": "apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
 }
 
 

@@ -19,6 +19,7 @@ from test_reconcile import CMS, P2PGS, POOLS, observed, one
 from kvpool.operator.runtime import permissions
 
 PDB = "policy/v1/poddisruptionbudgets"
+NP = "networking.k8s.io/v1/networkpolicies"
 REAL_CLUSTER_ONLY = {
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
@@ -67,8 +68,10 @@ async def test_every_request_is_granted_and_every_grant_is_used(
         lambda: "demo-pd" in one(apiserver, CMS, "demo-gateway")["data"]["gateway.yaml"]
     )
     await client.patch("PodDisruptionBudget", "demo-p2p", {"spec": {"maxUnavailable": 5}})
+    await client.patch("NetworkPolicy", "demo-p2p", {"spec": {"policyTypes": ["Egress"]}})
     await client.patch("KVCachePool", "demo", {"spec": {"hashSeed": "9"}})  # rolls every workload
     await eventually(lambda: one(apiserver, PDB, "demo-p2p")["spec"]["maxUnavailable"] == 1)
+    await eventually(lambda: one(apiserver, NP, "demo-p2p")["spec"]["policyTypes"] == ["Ingress"])
     bad = {"spec": {"tiers": {"disk": {"path": "/kv", "size": "1Gi"}}}}
     await client.patch("KVCachePool", "demo", bad)
     await eventually(

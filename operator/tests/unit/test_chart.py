@@ -21,7 +21,7 @@ from op_builders import EXAMPLES, REPO
 
 from kvpool.operator.api import chart as chart_api
 from kvpool.operator.loader import load_text
-from kvpool.operator.render import render_domain
+from kvpool.operator.render import network, render_domain
 from kvpool.operator.runtime import permissions
 from kvpool.operator.runtime.settings import OperatorSettings
 
@@ -220,35 +220,37 @@ def test_cert_manager_mode_wires_certificate_and_webhooks_to_the_handlers_paths(
     assert {"secretName": cert["spec"]["secretName"]} in [v.get("secret") for v in volumes]
 
 
-def test_network_policies_select_the_pods_the_operator_renders() -> None:
-    docs = _render({"networkPolicies": {"namespaces": ["default"]}})
-    policies = {
-        d["metadata"]["name"]: d
-        for d in docs
-        if d["kind"] == "NetworkPolicy" and d["metadata"]["namespace"] == "default"
-    }
-    assert set(policies) == {"kvpool-controller-internal", "kvpool-worker-internal"}
-    text = Path(EXAMPLES / "cpu-demo.yaml").read_text()
-    domain = load_text(text, "cpu-demo").domains()[0]
-    pods = {
-        o["spec"]["template"]["metadata"]["labels"]["kvpool.io/component"]: o["spec"]["template"][
-            "metadata"
-        ]["labels"]
-        for o in render_domain(domain.pool, domain.members)
+def test_network_policies_keep_domains_internal_and_let_the_operator_in() -> None:
+    """The chart's policy guards the operator pod; the operator renders each domain's policies
+    (controller and workers: own namespace only; the operator's pods on the controller's HTTP
+    API), and those match the labels the chart gives the operator's pods."""
+    docs = _render({})
+    chart_policy = _one(docs, "NetworkPolicy")
+    operator_pod = _one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert chart_policy["spec"]["podSelector"]["matchLabels"].items() <= operator_pod.items()
+    assert {p["port"] for p in chart_policy["spec"]["ingress"][0]["ports"]} == {8080, 8081, 9443}
+    assert network.OPERATOR_POD_LABELS.items() <= operator_pod.items()
+
+    domain = load_text((EXAMPLES / "cpu-demo.yaml").read_text(), "cpu-demo").domains()[0]
+    objects = render_domain(domain.pool, domain.members)
+    policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"demo-controller", "demo-p2p", "demo-pd"}
+    pods = [
+        o["spec"]["template"]["metadata"]["labels"]
+        for o in objects
         if o["kind"] in ("Deployment", "StatefulSet")
-    }
-    for name, component in (
-        ("kvpool-controller-internal", "controller"),
-        ("kvpool-worker-internal", "worker"),
-    ):
-        selector = policies[name]["spec"]["podSelector"]["matchLabels"]
-        assert selector.items() <= pods[component].items(), (name, selector)
-        assert policies[name]["spec"]["ingress"][0] == {"from": [{"podSelector": {}}]}
-    gateway = pods["gateway"]
-    assert not any(
-        p["spec"]["podSelector"]["matchLabels"].items() <= gateway.items()
-        for p in policies.values()
-    )
+    ]
+
+    def selected(policy: dict[str, Any]) -> list[str]:
+        want = policy["spec"]["podSelector"]["matchLabels"].items()
+        return sorted({p["kvpool.io/component"] for p in pods if want <= p.items()})
+
+    assert selected(policies["demo-controller"]) == ["controller"]
+    assert selected(policies["demo-p2p"]) == selected(policies["demo-pd"]) == ["worker"]
+    for policy in policies.values():
+        assert policy["spec"]["ingress"][0] == {"from": [{"podSelector": {}}]}
+    operator_rule = policies["demo-controller"]["spec"]["ingress"][1]
+    assert operator_rule["ports"] == [{"port": 9000, "protocol": "TCP"}]
 
 
 def test_notes_tell_the_next_steps() -> None:

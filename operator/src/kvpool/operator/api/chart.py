@@ -78,14 +78,12 @@ class Metrics(ApiModel):
 
 
 class NetworkPolicies(ApiModel):
-    """NetworkPolicies keeping the operator's and the domains' internal ports internal."""
+    """A NetworkPolicy for the operator's pod (its webhook, metrics and health ports only).
+
+    The cache domains' own policies (controller and worker ports reachable from their
+    namespace only) are rendered by the operator with each pool and member."""
 
     enabled: bool = Field(default=True, description="Default true.")
-    namespaces: list[str] = Field(
-        default_factory=list,
-        description="Namespaces of cache domains whose controller (ZMQ, HTTP) and worker ports "
-        "are opened to their own namespace only. Default: watchNamespaces.",
-    )
 
 
 class ServiceAccount(ApiModel):

@@ -27,7 +27,7 @@ from kvpool.operator.derive.ownership import instance_configs
 from kvpool.operator.derive.ports import InstancePorts
 from kvpool.operator.derive.sizing import instance_host_bytes
 from kvpool.operator.quantity import parse_quantity
-from kvpool.operator.render import k8s
+from kvpool.operator.render import k8s, network
 from kvpool.operator.render.fingerprint import pool_fingerprint
 from kvpool.protocol.domain import REQUIRED_WORKER_ENV
 
@@ -214,4 +214,5 @@ def member_objects(pool: KVCachePool, member: P2PGroup | PDPair) -> list[Obj]:
         }
     )
     out.append(k8s.pdb(name, ns, base_labels, 1))
+    out.append(network.internal_only(name, ns, base_labels, base_labels))
     return out

@@ -17,7 +17,7 @@ from kvpool.operator.derive import names
 from kvpool.operator.derive.instances import instance_url
 from kvpool.operator.derive.platform import hashes_like_vllm, pd_sender_pull
 from kvpool.operator.derive.ports import p2p_ports, pd_ports
-from kvpool.operator.render import k8s
+from kvpool.operator.render import k8s, network
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
 
 Obj = k8s.Obj
@@ -108,6 +108,7 @@ def controller_objects(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> l
     return [
         k8s.deployment(name, ns, labels, spec.replicas, pod, k8s.pod_annotations(pool)),
         k8s.service(name, ns, labels, port_map),
+        network.controller_policy(pool, name, labels),
     ]
 
 
@@ -170,6 +171,9 @@ def _gateway_config(
         # vLLM engines seed LMCache's NONE_HASH from PYTHONHASHSEED; the reference engine
         # (platform cpu) does not import vLLM: the gateway must hash like the engines do.
         "vllm": hashes_like_vllm(members),
+        # the reference engine's tokenizer ships with kvpool.protocol: the gateway tokenizes
+        # locally; vLLM pools are tokenized by their workers' /tokenize
+        **({} if hashes_like_vllm(members) or not members else {"tokenizer": "reference"}),
         "controllerUrl": names.controller_url(pool),
         "controllerPubUrl": f"tcp://{controller_host}:{spec.controller.ports.pub}",
         "controllerSnapshotUrl": f"tcp://{controller_host}:{spec.controller.ports.snapshot}",

@@ -57,13 +57,21 @@ KINDS: dict[str, Kind] = {
     "Deployment": Kind("apps/v1", "deployments"),
     "StatefulSet": Kind("apps/v1", "statefulsets"),
     "PodDisruptionBudget": Kind("policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": Kind("networking.k8s.io/v1", "networkpolicies"),
 }
 
 #: Sent with every request, so audit logs (and the RBAC test) can tell the operator's calls.
 USER_AGENT = "kvpool-operator/0.1"
 
 #: Kinds the renderer emits: listed per domain to find what to prune.
-CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget")
+CHILD_KINDS = (
+    "ConfigMap",
+    "Service",
+    "Deployment",
+    "StatefulSet",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+)
 
 
 class ApiError(Exception):

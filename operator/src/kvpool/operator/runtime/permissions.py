@@ -70,6 +70,12 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("apps", "deployments", _CHILD_VERBS, why="controller, gateway, Mooncake"),
     Permission("apps", "statefulsets", (*_CHILD_VERBS, "watch"), why="workers; readiness"),
     Permission("policy", "poddisruptionbudgets", _CHILD_VERBS, why="gateway and member PDBs"),
+    Permission(
+        "networking.k8s.io",
+        "networkpolicies",
+        _CHILD_VERBS,
+        why="controller and worker ports kept inside the namespace",
+    ),
     Permission("", "pods", ("list",), why="drift timer reads pod fingerprints"),
     Permission("", "events", ("create",), why="Events on invalid specs and blocked deletes"),
     Permission("", "namespaces", ("list", "watch"), "cluster", why="kopf namespace observer"),
