@@ -229,3 +229,24 @@ def test_a_mounted_file_named_by_a_flag_is_the_local_file(
     local = lw.argv[lw.argv.index("--config") + 1]
     assert local in lw.files and local != w.argv[w.argv.index("--config") + 1]
     ls.check_rewrite(w, lw, cmap)
+
+
+def test_gflags_style_flags_and_kubelet_env_references_are_rewritten(tmp_path: Path) -> None:
+    """Mooncake's ``--port=50051`` and the store's ``$(POD_IP)`` / master address move too."""
+    pool = next(yaml.safe_load_all(EXAMPLE.read_text()))
+    pool["spec"]["tiers"]["remote"] = {"mooncake": {"segmentSize": "256Mi"}}
+    (tmp_path / "mc.yaml").write_text(yaml.safe_dump(pool))
+    objects = render_files([tmp_path / "mc.yaml"]).objects
+    cmap = ls.cluster_map(objects, _ports())
+    loads = ls.workloads(objects)
+    master = ls.localize(loads["demo-mooncake-master"], cmap, tmp_path)
+    local = cmap.ports[50051]
+    assert master.argv[1] == f"--port={local}"
+    ls.check_rewrite(loads["demo-mooncake-master"], master, cmap)
+    store = ls.localize(loads["demo-mooncake-store"], cmap, tmp_path)
+    assert store.env["MOONCAKE_MASTER"] == f"{ls.LOOPBACK}:{local}"
+    assert store.env["MOONCAKE_LOCAL_HOSTNAME"] == ls.LOOPBACK  # $(POD_IP), expanded
+    ls.check_rewrite(loads["demo-mooncake-store"], store, cmap)
+    master.argv[2] = "--eviction_ratio=0.5"
+    with pytest.raises(ls.StackError, match="eviction_ratio"):
+        ls.check_rewrite(loads["demo-mooncake-master"], master, cmap)

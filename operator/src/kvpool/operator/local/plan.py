@@ -34,7 +34,6 @@ Obj = dict[str, Any]
 _ADDR = re.compile(
     r"^(?P<scheme>[a-z][a-z0-9+.-]*://)?(?P<host>[^/:\s]+)(?::(?P<port>\d+))?(?P<rest>/.*)?$"
 )
-_HOST_WORDS = ("host", "url", "address", "server")
 
 
 class StackError(RuntimeError):
@@ -276,7 +275,7 @@ def _by_key(key: str, value: Any, cmap: ClusterMap) -> Any:
         return [_by_key(key, v, cmap) for v in value]
     if "port" in low:
         return _port(value, cmap)
-    if any(w in low for w in _HOST_WORDS) and isinstance(value, str):
+    if isinstance(value, str):  # only a cluster host (or 0.0.0.0) is ever rewritten
         return _address(value, cmap)
     return value
 
@@ -305,17 +304,22 @@ def localize(
     go; ``secrets``: the value of each (Secret, key) the pod reads, which a cluster holds)."""
     file_map = {path: str(root / Path(path).name) for path in sorted(w.files)}
     argv = list(w.argv)
-    for i in range(1, len(argv)):
-        flag = argv[i - 1]
-        if argv[i] in file_map:
-            argv[i] = file_map[argv[i]]  # a mounted file named on the command line
-        elif flag.startswith("--") and not argv[i].startswith("--"):
-            argv[i] = _by_key(flag, argv[i], cmap)
+    for i, arg in enumerate(argv):
+        flag = argv[i - 1] if i else ""
+        if arg in file_map:
+            argv[i] = file_map[arg]  # a mounted file named on the command line
+        elif arg.startswith("-") and "=" in arg:  # --flag=value (gflags style)
+            name, _, value = arg.partition("=")
+            argv[i] = f"{name}={file_map.get(value, _by_key(name, value, cmap))}"
+        elif i and flag.startswith("--") and "=" not in flag and not arg.startswith("--"):
+            argv[i] = _by_key(flag, arg, cmap)
     env = {k: file_map.get(v, _by_key(k, v, cmap)) for k, v in w.env.items()}
     for key, ref in w.field_env.items():
         if ref != "status.podIP":
             raise StackError(f"{w.name}: env {key} comes from {ref}, which has no local value")
         env[key] = LOOPBACK
+    pod = {k: env[k] for k in w.field_env}
+    env = {k: expand_env(v, pod) for k, v in env.items()}  # the kubelet's $(VAR)
     for key, secret in w.secret_env.items():
         if secrets is None or secret not in secrets:
             raise StackError(f"{w.name}: env {key} reads Secret {secret[0]}/{secret[1]}: no value")
@@ -329,6 +333,14 @@ def localize(
     ready = (w.readiness[0], cmap.ports[w.readiness[1]]) if w.readiness else None
     ports = {n: cmap.ports[p] for n, p in w.ports.items()}
     return LocalWorkload(w.name, w.component, argv, env, files, file_map, ports, ready)
+
+
+_ENV_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand_env(value: str, env: Mapping[str, str]) -> str:
+    """``$(NAME)`` references to ``env`` replaced, the others left, as the kubelet does."""
+    return _ENV_REF.sub(lambda m: env.get(m.group(1), m.group(0)), value)
 
 
 def _changes(old: Any, new: Any, path: str) -> Iterator[tuple[str, Any, Any]]:
@@ -357,6 +369,10 @@ def _allowed(old: Any, new: Any, cmap: ClusterMap, files: Mapping[str, str]) -> 
         return bool(new == files[old])
     if not isinstance(old, str) or not isinstance(new, str):
         return False
+    if old.startswith("-") and "=" in old:
+        name, _, value = old.partition("=")
+        new_name, _, new_value = new.partition("=")
+        return name == new_name and _allowed(value, new_value, cmap, files)
     a, b = _split(old), _split(new)
     if a is None or b is None or (a[0], a[3]) != (b[0], b[3]) or b[1] != LOOPBACK:
         return False
@@ -381,7 +397,7 @@ def check_rewrite(w: Workload, lw: LocalWorkload, cmap: ClusterMap) -> list[str]
     """
     old_files = {p: yaml.safe_load(t) for p, t in w.files.items()}
     new_files = {p: yaml.safe_load(lw.files[lw.file_map[p]]) for p in w.files}
-    env_old = dict(w.env)
+    env_old = {k: expand_env(v, {f: lw.env[f] for f in w.field_env}) for k, v in w.env.items()}
     env_new = {k: v for k, v in lw.env.items() if k not in w.field_env and k not in w.secret_env}
     seen: list[str] = []
     pairs = [(w.argv, lw.argv, "argv"), (env_old, env_new, "env"), (old_files, new_files, "files")]

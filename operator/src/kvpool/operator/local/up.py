@@ -14,6 +14,7 @@ directory, so ``down`` can stop them from another shell.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -37,7 +38,14 @@ from kvpool.operator.local.plan import (
     StackError,
     named_services,
 )
-from kvpool.operator.local.stack import LocalStack, pid_alive, resolve_command, stop_group
+from kvpool.operator.local.stack import (
+    LocalStack,
+    Running,
+    pid_alive,
+    resolve_command,
+    stop_group,
+    wait_port,
+)
 from kvpool.operator.render import render_domain
 from kvpool.operator.validation import errors, validate_domain
 
@@ -164,6 +172,10 @@ def read_state(state_dir: Path) -> dict[str, Any] | None:
     return data
 
 
+def _running(run: Running) -> bool:
+    return run.proc.poll() is None
+
+
 def up(
     files: Sequence[str],
     state_dir: Path,
@@ -220,7 +232,10 @@ def up(
                 say(f"[{step}/{total}] {name} ({run.workload.component}) starting, log {run.log}")
             write_state(state_dir, stack, False)
             for n, run in runs:
-                if run.workload.readiness is None:
+                if run.workload.readiness is None:  # no HTTP probe: its first port listening
+                    for port in list(run.workload.ports.values())[:1]:
+                        wait_port(port, functools.partial(_running, run), run.workload.name)
+                        say(f"[{n}/{total}] {run.workload.name} listening on {LOOPBACK}:{port}")
                     continue
                 took = stack.wait_ready(run, ready_timeout_s, say, stop.is_set)
                 say(f"[{n}/{total}] {run.workload.name} ready after {took:.1f}s at {run.url}")
