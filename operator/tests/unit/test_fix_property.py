@@ -60,8 +60,11 @@ def _pool(draw: st.DrawFn) -> dict[str, Any]:
         "blockSize": draw(st.sampled_from([16, 48, 128])),
         "hashSeed": draw(st.sampled_from(["auto", "123", "4294967296"])),
         "tiers": tiers,
-        "controller": {"persistence": persistence},
         "gateway": {"port": draw(st.sampled_from([8000, 7500]))},
+        "controller": {
+            "persistence": persistence,
+            "ports": draw(st.sampled_from([{}, {"reply": 8300}, {"pub": 9000, "snapshot": 9000}])),
+        },
     }
     allocatable = draw(st.sampled_from([None, "8Gi", "40Gi"]))
     if allocatable is not None:

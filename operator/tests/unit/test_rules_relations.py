@@ -120,3 +120,11 @@ def test_the_controller_hashes_like_the_engines() -> None:
     assert "--vllm" in controller_command(p2p())
     cpu = p2p(engine={"platform": "cpu"}, transfer={}, enableAsyncLoading=True)
     assert "--vllm" not in controller_command(cpu)
+
+
+def test_controller_ports_are_distinct() -> None:
+    (problem,) = _code(pool(controller={"ports": {"reply": 8300}}), code="controller.ports")
+    assert problem.path == "KVCachePool/pool: spec.controller.ports.reply"
+    assert "also the controller's pull port" in problem.message
+    assert problem.fix == "set controller.ports.reply: 8301"
+    assert _code(pool(), code="controller.ports") == []

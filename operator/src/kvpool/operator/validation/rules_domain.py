@@ -149,6 +149,32 @@ def _hashing(members: Members) -> list[Problem]:
     return out
 
 
+def _controller_ports(pool: KVCachePool) -> list[Problem]:
+    """The controller binds each of its ports once: two equal ones fail at start."""
+    ports = pool.spec.controller.ports.model_dump(by_alias=True)
+    out: list[Problem] = []
+    seen: dict[int, str] = {}
+    used = set(ports.values())
+    for name, port in ports.items():
+        if port not in seen:
+            seen[port] = name
+            continue
+        free = next(p for p in range(port + 1, 65536) if p not in used)
+        used.add(free)
+        out.append(
+            Problem(
+                where(pool, f"spec.controller.ports.{name}"),
+                f"port {port} is also the controller's {seen[port]} port: the controller "
+                "cannot bind both",
+                f"set controller.ports.{name}: {free}",
+                rule=2,
+                code="controller.ports",
+                patch=(set_field(pool, f"spec.controller.ports.{name}", free),),
+            )
+        )
+    return out
+
+
 def pool_checks(pool: KVCachePool, members: Members) -> list[Problem]:
     """The pool's own settings: one remote tier, persistence and its URL."""
     out: list[Problem] = []
@@ -170,6 +196,7 @@ def pool_checks(pool: KVCachePool, members: Members) -> list[Problem]:
                 ),
             )
         )
+    out += _controller_ports(pool)
     persistence = pool.spec.controller.persistence
     if persistence.mode == "redis" and not persistence.redis_url:
         out.append(
