@@ -31,9 +31,8 @@ from pydantic import ValidationError
 
 from kvpool.protocol.chat import TextTokenizer
 from kvpool.protocol.domain import DomainFacts, domain_fingerprint
+from kvpool.protocol.hashing import DEFAULT_CHUNK_SIZE, DEFAULT_HASH_ALGORITHM
 from kvpool.worker.contract import (
-    DEFAULT_CHUNK_SIZE,
-    DEFAULT_HASH_ALGORITHM,
     Problem,
     check_contract,
     check_devices,

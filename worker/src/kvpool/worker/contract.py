@@ -26,9 +26,7 @@ from kvpool.protocol.domain import (
     is_valid_hash_seed,
     split_instance_id,
 )
-
-DEFAULT_CHUNK_SIZE = 256  # LMCache's default when the config omits chunk_size
-DEFAULT_HASH_ALGORITHM = "builtin"  # LMCache's default pre_caching_hash_algorithm
+from kvpool.protocol.hashing import DEFAULT_CHUNK_SIZE, DEFAULT_HASH_ALGORITHM
 
 # LMCache applies LMCACHE_<KEY> env vars on top of the config file: for domain keys that would
 # silently change the hashes behind the fingerprint's back.
