@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic.alias_generators import to_camel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvpool.protocol.hashing import HashConfig, HashConfigError
+from kvpool.protocol.hashing import HashAlgorithm, HashConfig, HashConfigError
 
 
 class ConfigError(Exception):
@@ -102,7 +102,7 @@ class GatewayConfig(_Model):
 
     model: str
     chunk_size: int = Field(gt=0)
-    hash_algorithm: Literal["builtin", "sha256_cbor"] = "builtin"
+    hash_algorithm: HashAlgorithm = "builtin"
     vllm: bool = Field(False, description="the engines import vLLM (seeds LMCache's NONE_HASH)")
     controller_url: str = Field(pattern=r"^https?://")
     controller_pub_url: str | None = Field(None, pattern=r"^tcp://")

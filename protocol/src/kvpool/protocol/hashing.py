@@ -43,13 +43,13 @@ import hashlib
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, get_args
 
 from kvpool.protocol.domain import MAX_HASH_SEED, is_valid_hash_seed
 
 #: The hash algorithms the operator can render as ``pre_caching_hash_algorithm``.
 HashAlgorithm = Literal["builtin", "sha256_cbor"]
-HASH_ALGORITHMS: Final[tuple[str, ...]] = ("builtin", "sha256_cbor")
+HASH_ALGORITHMS: Final[tuple[str, ...]] = get_args(HashAlgorithm)
 #: LMCache's defaults when the config omits a key.
 DEFAULT_CHUNK_SIZE: Final = 256
 DEFAULT_HASH_ALGORITHM: Final = "builtin"

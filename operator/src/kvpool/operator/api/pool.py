@@ -21,6 +21,7 @@ from kvpool.operator.api.common import (
     cel_rules,
 )
 from kvpool.protocol.domain import DEFAULT_CONTROLLER_PORTS as _PORTS
+from kvpool.protocol.hashing import HashAlgorithm
 
 KvDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8"]
 
@@ -225,7 +226,7 @@ class KVCachePoolSpec(ApiModel):
         description="PYTHONHASHSEED for every process of the domain, or auto (derived once "
         "from the pool's uid and kept in status). Default auto.",
     )
-    hash_algorithm: Literal["builtin", "sha256_cbor"] = Field(
+    hash_algorithm: HashAlgorithm = Field(
         default="builtin", description="pre_caching_hash_algorithm. Default builtin."
     )
     tiers: Tiers = Field(default_factory=Tiers)
