@@ -211,6 +211,10 @@ def test_flags_override_the_config_and_prompt_text_is_encoded_as_the_engine_does
     assert code == 0, err
     hf = PreTrainedTokenizerFast(tokenizer_file=str(REFERENCE_TOKENIZER / "tokenizer.json"))
     assert out["tokens"] == hf(text, add_special_tokens=False)["input_ids"]
+    # the rendered cpu-demo config names the reference tokenizer itself
+    code, by_config, err = _in_process(capsys, ["--config", str(config), "--prompt", text])
+    assert code == 0, err
+    assert by_config["tokens"] == out["tokens"]
     assert (
         out["regime"]["chunk_size"] == 4 and out["regime"]["effective_algorithm"] == "sha256_cbor"
     )

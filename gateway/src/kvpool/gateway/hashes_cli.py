@@ -32,8 +32,8 @@ from pydantic import ValidationError
 from kvpool.gateway.config import ConfigError, GatewayConfig, load_config
 from kvpool.gateway.errors import GatewayError
 from kvpool.gateway.models import ChatBody, CompletionBody
-from kvpool.gateway.prompts import LocalEncoder, chat_tokens, completion_tokens
-from kvpool.protocol.chat import TextTokenizer, load_tokenizer
+from kvpool.gateway.prompts import LocalEncoder, chat_tokens, completion_tokens, local_tokenizer
+from kvpool.protocol.chat import TextTokenizer
 from kvpool.protocol.hashing import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_HASH_ALGORITHM,
@@ -89,7 +89,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=False,
         help="also hash the trailing partial chunk (LMCache save_unfull_chunk; routing: no)",
     )
-    p.add_argument("--tokenizer", help="tokenizer.json or its directory (default: from --config)")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer.json or its directory, or 'reference' (default: from --config)",
+    )
     p.set_defaults(handler=run)
 
 
@@ -201,9 +204,10 @@ def _tokenizer(args: argparse.Namespace, config: GatewayConfig | None) -> TextTo
             "names none); pass --tokenizer PATH, or give --tokens"
         )
     try:
-        return load_tokenizer(path)
+        return local_tokenizer(path)
     except (OSError, ValueError) as exc:
-        raise HashesError(f"--tokenizer: {exc}") from None
+        where = "--tokenizer" if args.tokenizer else "--config: tokenizer"
+        raise HashesError(f"{where}: {exc}") from None
 
 
 def _read(path: str) -> str:

@@ -132,11 +132,16 @@ def encoder_for(config: GatewayConfig, instances: InstanceSet, upstream: Upstrea
     files, else the workers' own ``/tokenize`` (exact too, one round trip more)."""
     if config.tokenizer is None:
         return RemoteEncoder(instances, upstream)
-    path = REFERENCE_TOKENIZER_DIR if config.tokenizer == REFERENCE else config.tokenizer
     try:
-        return LocalEncoder(load_tokenizer(path))
+        return LocalEncoder(local_tokenizer(config.tokenizer))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"tokenizer: {exc}") from None
+
+
+def local_tokenizer(name: str) -> TextTokenizer:
+    """gateway.yaml's ``tokenizer`` loaded: a tokenizer.json (or its directory), or
+    ``reference``; raises OSError or ValueError naming the file."""
+    return load_tokenizer(REFERENCE_TOKENIZER_DIR if name == REFERENCE else name)
 
 
 async def completion_tokens(encoder: Encoder, body: CompletionBody) -> list[int]:
