@@ -211,7 +211,7 @@ async def test_member_before_pool_is_pool_not_found_then_reconciles_when_pool_ap
     )
     ready = condition(one(apiserver, P2PGS, "demo-p2p"), "Ready")
     assert "KVCachePool 'demo' does not exist in namespace 'default'" in ready["message"]
-    assert [e for e in apiserver.live(EVENTS) if e["reason"] == "PoolNotFound"]
+    await eventually(lambda: [e for e in apiserver.live(EVENTS) if e["reason"] == "PoolNotFound"])
     assert apiserver.live(STS) == []
     await client.create(pool)
     await eventually(lambda: len(apiserver.live(STS)) == 2)

@@ -38,8 +38,10 @@ class IndexSource:
         self.indexes: dict[str, Any] = {}
 
     def _values(self, index: str, key: tuple[str, str]) -> list[Obj]:
+        # The stored bodies are private copies (made once per watch event by _index) and the
+        # pure planning never mutates its inputs, so reads share them instead of copying.
         store = self.indexes.get(index, {}).get(key)
-        return [copy.deepcopy(v) for v in store] if store else []
+        return list(store) if store else []
 
     def pool(self, namespace: str, name: str) -> Obj | None:
         found = self._values("kvpool_pools", (namespace, name))
@@ -171,10 +173,10 @@ def register(
         await rt.client.close()
 
     @kopf.index(*pools, id="kvpool_pools", registry=registry)
-    def pool_index(**kw: Any) -> Any:
+    async def pool_index(**kw: Any) -> Any:
         return _index(kw["body"], (kw["namespace"], kw["name"]))
 
-    def member_index(**kw: Any) -> Any:
+    async def member_index(**kw: Any) -> Any:
         pool = str(kw["spec"].get("poolRef", {}).get("name", ""))
         return _index(kw["body"], (kw["namespace"], pool))
 

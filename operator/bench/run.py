@@ -1,0 +1,261 @@
+"""Operator benchmark: 100 pools x 3 members created at once, reconciled against the emulator.
+
+Why this shape (issue 9): the operator must keep up when a whole fleet is applied at once. The
+benchmark starts the real ``kvpool-operator run`` as its own process (so its RSS is the
+operator's alone), pointed by a kubeconfig at the apiserver-like emulator of the integration
+tests (served by this process), creates every CR concurrently and measures the seconds until
+every CR reports observedGeneration == generation and every child the render asks for exists,
+and the operator's peak RSS (VmHWM). Targets: <= 10 s and <= 150 MB — reported, never
+asserted. There is no peer operator to run side by side; the ratios are against the targets.
+
+Usage: ``python operator/bench/run.py [--quick] --out bench-results/operator.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock
+import psutil
+import yaml
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "integration"))
+from apiserver import ApiServer  # noqa: E402
+
+ROOT = HERE.parent.parent
+NAMESPACE = "bench"
+TARGET_S = 10.0
+TARGET_MB = 150.0
+
+
+def log(msg: str) -> None:
+    print(f"[operator bench] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fleet(pools: int) -> list[dict[str, Any]]:
+    """``pools`` copies of examples/cpu-demo.yaml's domain, each with 3 members."""
+    docs = [d for d in yaml.safe_load_all((ROOT / "examples" / "cpu-demo.yaml").read_text()) if d]
+    pool, p2p, pd = docs
+    out: list[dict[str, Any]] = []
+    for i in range(pools):
+        name = f"pool{i:03d}"
+        p = copy.deepcopy(pool)
+        p["metadata"] = {"name": name, "namespace": NAMESPACE}
+        p["spec"]["hashSeed"] = "auto"
+        out.append(p)
+        for suffix, base, replicas in (("a", p2p, 2), ("b", p2p, 1), ("pd", pd, None)):
+            m = copy.deepcopy(base)
+            m["metadata"] = {"name": f"{name}-{suffix}", "namespace": NAMESPACE}
+            m["spec"]["poolRef"] = {"name": name}
+            if replicas is not None:
+                m["spec"]["replicas"] = replicas
+            out.append(m)
+    return out
+
+
+def expected_children(pools: int) -> dict[str, int]:
+    """StatefulSets and Deployments per fleet: 2 + 1 P2P instances + 2 PD, controller+gateway."""
+    return {"apps/v1/statefulsets": 5 * pools, "apps/v1/deployments": 2 * pools}
+
+
+PLURAL = {"KVCachePool": "kvcachepools", "P2PGroup": "p2pgroups", "PDPair": "pdpairs"}
+
+
+def done(server: ApiServer, pools: int) -> bool:
+    for resource, count in expected_children(pools).items():
+        if len(server.live(resource, NAMESPACE)) < count:
+            return False
+    crs = [o for plural in PLURAL.values() for o in server.live(f"kvpool.io/v1alpha1/{plural}")]
+    return len(crs) == 4 * pools and all(
+        (o.get("status") or {}).get("observedGeneration") == o["metadata"]["generation"]
+        for o in crs
+    )
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM: the peak resident set size of the process so far."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+async def run(pools: int, timeout: float) -> dict[str, float]:
+    async with ApiServer() as server, kmock.Server(server):
+        tmp = Path(tempfile.mkdtemp(prefix="kvpool-op-bench-"))
+        kubeconfig = tmp / "kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "emu", "cluster": {"server": str(server.url)}}],
+                    "users": [{"name": "emu", "user": {}}],
+                    "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu"}}],
+                    "current-context": "emu",
+                }
+            )
+        )
+        health = free_port()
+        profile = os.environ.get("KVPOOL_BENCH_PROFILE")  # cProfile output of the operator
+        cmd = [
+            sys.executable,
+            *(["-m", "cProfile", "-o", profile] if profile else []),
+            "-m",
+            "kvpool.operator.cli",
+            "run",
+            "--webhook-mode=none",
+            "--health-host=127.0.0.1",
+            f"--health-port={health}",
+            f"--metrics-port={free_port()}",
+            os.environ.get("KVPOOL_BENCH_LOG_LEVEL", "--log-level=WARNING"),
+            "--log-format=text",
+        ]
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+        errlog = open(os.environ.get("KVPOOL_BENCH_OPLOG", os.devnull), "w")  # noqa: SIM115
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=errlog)
+        try:
+            async with aiohttp.ClientSession() as http:
+                await wait_ready(http, health, proc)
+                idle_mb = peak_rss_mb(proc.pid)
+                docs = fleet(pools)
+                log(f"operator ready ({idle_mb:.0f} MB); creating {len(docs)} CRs at once")
+                started = time.monotonic()
+                await asyncio.gather(*(create(http, str(server.url), d) for d in docs))
+                created = time.monotonic() - started
+                last = 0.0
+                while not done(server, pools):
+                    if time.monotonic() - started > timeout:
+                        raise TimeoutError(f"not reconciled after {timeout:.0f} s")
+                    if proc.poll() is not None:
+                        raise RuntimeError(
+                            f"operator exited: {proc.stderr.read().decode()[-2000:]}"
+                        )  # type: ignore[union-attr]
+                    if time.monotonic() - last > 2:
+                        last = time.monotonic()
+                        ready = sum(
+                            1
+                            for plural in PLURAL.values()
+                            for o in server.live(f"kvpool.io/v1alpha1/{plural}")
+                            if (o.get("status") or {}).get("observedGeneration")
+                        )
+                        log(
+                            f"{time.monotonic() - started:5.1f} s: {ready}/{len(docs)} CRs observed"
+                        )
+                    await asyncio.sleep(0.05)
+                elapsed = time.monotonic() - started
+                rss = peak_rss_mb(proc.pid)
+                cpu = psutil.Process(proc.pid).cpu_times()
+                own = time.process_time()
+                log(f"reconciled {len(docs)} CRs in {elapsed:.2f} s, peak RSS {rss:.0f} MB")
+                return {
+                    "reconcile_s": round(elapsed, 3),
+                    "create_s": round(created, 3),
+                    "operator_rss_mb": round(rss, 1),
+                    "operator_idle_rss_mb": round(idle_mb, 1),
+                    "crs": float(len(docs)),
+                    "api_requests": float(len(server._requests)),
+                    "operator_cpu_s": round(cpu.user + cpu.system, 2),
+                    "emulator_cpu_s": round(own, 2),
+                }
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def wait_ready(http: aiohttp.ClientSession, port: int, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"operator exited: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+        try:
+            async with http.get(f"http://127.0.0.1:{port}/readyz") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise TimeoutError("operator not ready in 60 s")
+
+
+async def create(http: aiohttp.ClientSession, url: str, doc: dict[str, Any]) -> None:
+    path = f"{url}/apis/kvpool.io/v1alpha1/namespaces/{NAMESPACE}/{PLURAL[doc['kind']]}"
+    async with http.post(path, json=doc) as r:
+        if r.status != 201:
+            raise RuntimeError(f"create {doc['metadata']['name']}: {r.status} {await r.text()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="20 pools instead of 100")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/operator.json"))
+    args = parser.parse_args(argv)
+    pools = int(os.environ.get("KVPOOL_BENCH_POOLS") or (20 if args.quick else 100))
+    measured = asyncio.run(run(pools, timeout=300))
+    key = f"reconcile_{pools}x3_s"
+    metrics = {
+        key: measured["reconcile_s"],
+        "operator_rss_mb": measured["operator_rss_mb"],
+        "operator_idle_rss_mb": measured["operator_idle_rss_mb"],
+        "create_s": measured["create_s"],
+        "crs": measured["crs"],
+        "api_requests": measured["api_requests"],
+        "operator_cpu_s": measured["operator_cpu_s"],
+        "emulator_cpu_s": measured["emulator_cpu_s"],
+    }
+    result = {
+        "component": "operator",
+        "quick": args.quick,
+        "metrics": metrics,
+        "ratios": {
+            "reconcile_over_target": round(measured["reconcile_s"] / TARGET_S, 3),
+            "rss_over_target": round(measured["operator_rss_mb"] / TARGET_MB, 3),
+        },
+        "peers": {"kopf": version("kopf"), "kmock": version("kmock")},
+        "env": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "targets": {key: TARGET_S, "operator_rss_mb": TARGET_MB},
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print("| metric | value | target |\n|---|---|---|")
+    print(f"| {key} | {measured['reconcile_s']:.2f} s | <= {TARGET_S:.0f} s (100x3) |")
+    print(
+        f"| operator_rss_mb (peak) | {measured['operator_rss_mb']:.0f} MB | <= {TARGET_MB:.0f} MB |"
+    )
+    print(f"| operator idle RSS | {measured['operator_idle_rss_mb']:.0f} MB | |")
+    cpu = f"{measured['operator_cpu_s']:.1f} / {measured['emulator_cpu_s']:.1f}"
+    print(f"| CPU s: operator / emulator+bench | {cpu} | |")
+    print(f"| CRs / API requests | {measured['crs']:.0f} / {measured['api_requests']:.0f} | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
