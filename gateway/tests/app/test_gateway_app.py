@@ -334,3 +334,30 @@ async def test_a_burst_with_one_new_prefix_goes_to_one_instance() -> None:
         )
         assert {r.status_code for r in results} == {200}
         assert len({r.headers["x-kvpool-instance"] for r in results}) == 1
+
+
+def test_a_p2p_peer_counts_its_group_s_chunks_as_remote() -> None:
+    """In a P2PGroup a peer can pull what another member holds: the others get that prefix
+    as a remote-tier hit (worth less than holding it, more than nothing)."""
+    from kvpool.gateway.routing import PrefixHit, weighted_hit_tokens
+    from kvpool.gateway.selection import Prompt
+
+    raw = {
+        "model": "m",
+        "chunkSize": CHUNK,
+        "controllerUrl": "http://127.0.0.1:1",
+        "p2pGroups": [{"name": "g", "instances": [
+            {"name": "a", "url": "http://127.0.0.1:1"}, {"name": "b", "url": "http://127.0.0.1:2"}]}],
+    }  # fmt: skip
+    state = build_state(parse_config(raw), GatewayEnv())
+    for inst in state.instances:
+        inst.ready = True
+    prompt = Prompt(16, (1, 2, 3, 4), None)
+    hits = {"a": PrefixHit(4, {"LocalCPUBackend": 4})}
+    cands = {
+        c.name: c for c in state.selector.candidates(state.instances.peers(), prompt, hits, set())
+    }
+    assert cands["a"].hit == hits["a"]
+    assert cands["b"].hit == PrefixHit(4, {"p2p-peer": 4})
+    a_w, b_w = (weighted_hit_tokens(cands[n].hit, CHUNK, 16) for n in ("a", "b"))
+    assert a_w > b_w > 0

@@ -128,11 +128,16 @@ class PendingPrefixes:
         return n
 
 
-def merge_pending(indexed: PrefixHit | None, pending_chunks: int) -> PrefixHit | None:
-    """The index's hit, extended by chunks routed here moments ago (tier "pending")."""
+def extend_hit(indexed: PrefixHit | None, chunks: int, location: str) -> PrefixHit | None:
+    """The index's hit, extended to ``chunks`` leading chunks held at ``location``."""
     have = indexed.hit_chunks if indexed is not None else 0
-    if pending_chunks <= have:
+    if chunks <= have:
         return indexed
     per_location = dict(indexed.per_location) if indexed is not None else {}
-    per_location["pending"] = pending_chunks - have + per_location.get("pending", 0)
-    return PrefixHit(pending_chunks, per_location)
+    per_location[location] = chunks - have + per_location.get(location, 0)
+    return PrefixHit(chunks, per_location)
+
+
+def merge_pending(indexed: PrefixHit | None, pending_chunks: int) -> PrefixHit | None:
+    """The index's hit, extended by chunks routed here moments ago (tier "pending")."""
+    return extend_hit(indexed, pending_chunks, "pending")

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpool.gateway.errors import upstream_error
 from kvpool.gateway.index_client import IndexClient
 from kvpool.gateway.instances import Instance, InstanceSet
-from kvpool.gateway.load import LoadTracker, PendingPrefixes, merge_pending
+from kvpool.gateway.load import LoadTracker, PendingPrefixes, extend_hit, merge_pending
 from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.proxy import Attempt
 from kvpool.gateway.routing import Candidate, Decision, PrefixHit, Router, RouteRequest
+
+#: Where a P2P peer's chunks count for the others of its group (tier: remote).
+P2P_LOCATION = "p2p-peer"
 
 
 @dataclass(frozen=True)
@@ -55,19 +58,28 @@ class Selector:
         exclude: set[str],
     ) -> list[Candidate]:
         now = self.clock()
+        hits = hits or {}
         out: list[Candidate] = []
         for inst in self.instances.available(pool):
             if inst.name in exclude:
                 continue
-            indexed = (hits or {}).get(inst.name)
-            pending = self.pending.hit(inst.name, prompt.hashes, now)
-            out.append(
-                Candidate(inst.name, self.load.load(inst.name), merge_pending(indexed, pending))
+            hit = merge_pending(
+                hits.get(inst.name), self.pending.hit(inst.name, prompt.hashes, now)
             )
+            if inst.role == "peer":  # P2P: a peer's chunks can be pulled (tier remote)
+                peers = self.instances.of_group(inst.group, "peer")
+                best = max((hits[p.name].hit_chunks for p in peers if p.name in hits), default=0)
+                hit = extend_hit(hit, best, P2P_LOCATION)
+            out.append(Candidate(inst.name, self.load.load(inst.name), hit))
         return out
 
     async def choose(
-        self, pool: Sequence[Instance], prompt: Prompt, exclude: set[str], role: str = "serve"
+        self,
+        pool: Sequence[Instance],
+        prompt: Prompt,
+        exclude: set[str],
+        role: str = "serve",
+        reason: str | None = None,
     ) -> tuple[Instance, Decision]:
         """The instance for this attempt; 503 when none of ``pool`` can take it."""
         hits = await self.hits(prompt)
@@ -82,6 +94,8 @@ class Selector:
             )
         request = RouteRequest(prompt.tokens, self.chunk_size, prompt.session)
         decision = self.router.route(request, cands, index_ok=hits is not None)
+        if reason is not None:  # the caller decided (a pinned request)
+            decision = replace(decision, reason=reason)
         inst = self.instances.by_name[decision.instance]
         self.metrics.decisions.labels(decision.reason, inst.name).inc()
         self.metrics.predicted_hit_tokens.labels(inst.name).inc(decision.predicted_hit_tokens)
@@ -96,6 +110,12 @@ class Selector:
         self.metrics.inflight.labels(inst.name).set(self.load.load(inst.name).inflight)
         return Attempt(inst, ticket, decision.reason, decision.predicted_hit_tokens)
 
-    async def attempt(self, pool: Sequence[Instance], prompt: Prompt, exclude: set[str]) -> Attempt:
-        inst, decision = await self.choose(pool, prompt, exclude)
+    async def attempt(
+        self,
+        pool: Sequence[Instance],
+        prompt: Prompt,
+        exclude: set[str],
+        reason: str | None = None,
+    ) -> Attempt:
+        inst, decision = await self.choose(pool, prompt, exclude, reason=reason)
         return self.admit(inst, prompt, decision)

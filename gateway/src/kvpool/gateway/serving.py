@@ -91,9 +91,8 @@ async def serve(
     pool = [pinned] if pinned is not None else state.instances.peers()
 
     async def choose(n: int, exclude: set[str]) -> Attempt:
-        attempt = await state.selector.attempt(pool, prompt, exclude)
-        if pinned is not None:
-            attempt.reason = "pinned"
+        reason = "pinned" if pinned is not None else None
+        attempt = await state.selector.attempt(pool, prompt, exclude, reason)
         if session:
             state.sessions.remember(session, tokens, attempt.instance.name)
         return attempt
