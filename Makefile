@@ -62,6 +62,14 @@ test: install ## Run every component's tests (each in its own pytest process)
 test-%: install ## Run one component's tests, e.g. make test-controller
 	$(BIN)/python tools/run_tests.py $*
 
+KIND_CLUSTER ?= kvpool
+.PHONY: e2e-kind
+e2e-kind: install ## Run the operator's flows against a kind cluster (e2e/tests/test_kind.py); creates KIND_CLUSTER if missing
+	@command -v kind >/dev/null && command -v kubectl >/dev/null || { echo "make e2e-kind: needs kind and kubectl on PATH (https://kind.sigs.k8s.io)"; exit 1; }
+	@kind get clusters 2>/dev/null | grep -qx '$(KIND_CLUSTER)' || kind create cluster --name '$(KIND_CLUSTER)' --wait 120s
+	@mkdir -p .kvpool && kind get kubeconfig --name '$(KIND_CLUSTER)' > .kvpool/kind-kubeconfig
+	cd e2e && KUBECONFIG=$(CURDIR)/.kvpool/kind-kubeconfig ../$(BIN)/python -m pytest -q -rs tests/test_kind.py
+
 ##@ Generated files
 .PHONY: generate verify-generated
 generate: install ## Write crds/*.yaml, charts/kvpool/crds/ and charts/kvpool/values.schema.json from the API models

@@ -39,7 +39,22 @@ import attrs
 import jsonpatch
 import jsonpointer
 import kmock
-from kmock._internal import enums, references, rendering
+from kmock._internal import enums, parsing, references, rendering
+
+_kmock_parse_path = parsing.parse_path
+
+
+def _parse_path(path: str) -> parsing.ParsedPath:
+    """kmock 0.8 reads /api/v1/namespaces[/NAME] as a namespace prefix (and fails on the bare
+    list); the API server reads it as the cluster-scoped resource ``namespaces``."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and len(parts) <= 4:
+        name = parts[3] if len(parts) == 4 else None
+        return parsing.ParsedPath("", "v1", "namespaces", None, name, None)
+    return _kmock_parse_path(path)
+
+
+parsing.parse_path = _parse_path
 
 CRDS = {
     "kvpool.io/v1alpha1/kvcachepools": ("KVCachePool", "kvcachepool"),
