@@ -128,3 +128,11 @@ def test_controller_ports_are_distinct() -> None:
     assert "also the controller's pull port" in problem.message
     assert problem.fix == "set controller.ports.reply: 8301"
     assert _code(pool(), code="controller.ports") == []
+
+
+def test_the_reference_engine_keeps_kv_in_float_dtypes_only() -> None:
+    cpu = p2p(engine={"platform": "cpu"}, transfer={}, enableAsyncLoading=True)
+    (problem,) = _code(pool(model={"kvDtype": "int8"}), cpu, code="kv-dtype.reference")
+    assert problem.path == "KVCachePool/pool: spec.model.kvDtype"
+    assert _code(pool(model={"kvDtype": "float32"}), cpu, code="kv-dtype.reference") == []
+    assert _code(pool(model={"kvDtype": "int8"}), p2p(), code="kv-dtype.reference") == []

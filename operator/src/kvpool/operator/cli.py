@@ -49,7 +49,8 @@ def cmd_validate(files: Sequence[str], out: TextIO, *, recursive: bool = False) 
             print(
                 f"  memory {key}: {budget.formula} "
                 f"(per instance {format_bytes(budget.per_instance_bytes)}; chunk "
-                f"{format_bytes(budget.chunk_bytes_per_rank)}/rank)",
+                f"{format_bytes(budget.chunk_bytes_per_rank)}/rank; largest pod requests "
+                f"{format_bytes(budget.pod_memory_request_bytes)})",
                 file=out,
             )
         for filled in domain_defaults(pool, domain.members):

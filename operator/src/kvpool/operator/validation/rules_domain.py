@@ -17,7 +17,7 @@ from kvpool.operator.derive.ownership import owned_engine_flags
 from kvpool.operator.derive.platform import member_platforms
 from kvpool.operator.quantity import parse_quantity
 from kvpool.operator.validation.problems import Problem, key, remove_field, set_field, where
-from kvpool.protocol.domain import MAX_HASH_SEED
+from kvpool.protocol.domain import MAX_HASH_SEED, REFERENCE_ENGINE_KV_DTYPES
 
 Members = list[P2PGroup | PDPair]
 
@@ -243,6 +243,18 @@ def model_relations(pool: KVCachePool, members: Members) -> list[Problem]:
                 "blockSize that divides chunkSize",
                 code="chunk.block",
                 patch=(set_field(pool, "spec.chunkSize", fixed),),
+            )
+        )
+    cpu = sorted(key(m) for m in members if "cpu" in member_platforms(m))
+    if cpu and model.kv_dtype not in REFERENCE_ENGINE_KV_DTYPES:
+        out.append(
+            Problem(
+                where(pool, "spec.model.kvDtype"),
+                f"{', '.join(cpu)} run kvpool's reference engine (platform cpu), which keeps KV "
+                f"in {', '.join(REFERENCE_ENGINE_KV_DTYPES)} only, not {model.kv_dtype}",
+                "set model.kvDtype: bfloat16 (or float16, float32)",
+                code="kv-dtype.reference",
+                patch=(set_field(pool, "spec.model.kvDtype", "bfloat16"),),
             )
         )
     remote = spec.tiers.remote
