@@ -129,7 +129,9 @@ def summarize_arm(a: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def routing_phase(dom: domain.Domain, model: str, quick: bool) -> dict[str, Any]:
+def routing_phase(
+    dom: domain.Domain, model: str, quick: bool, order: tuple[str, ...] = ARMS
+) -> dict[str, Any]:
     cfg = trace_config(quick)
     trace = agent_trace.generate(cfg)
     prompts = replay.tokenize_all(dom.worker_urls[0], trace)
@@ -145,9 +147,12 @@ def routing_phase(dom: domain.Domain, model: str, quick: bool) -> dict[str, Any]
         asyncio.run(replay.replay(url, warm, model, 1))
     replay.clear_workers(dom.worker_urls, dom.controller_url, warm_prompts)
     arms: dict[str, Any] = {}
-    for name in ARMS:
+    load: dict[str, list[float]] = {}
+    for name in order:
         log(f"arm {name}: replaying {len(prompts)} requests, {concurrency} sessions at once")
+        before = os.getloadavg()[0]
         arms[name] = arm(dom, name, trace, model, concurrency)
+        load[name] = [before, os.getloadavg()[0]]  # the box is shared: say how busy it was
         s = summarize_arm(arms[name])
         log(f"  hit ratio {s['hit_ratio']:.3f} (local {s['local_hit_ratio']:.3f}), TTFT p50 "
             f"{s['ttft_p50_ms']:.0f} ms p90 "
@@ -157,6 +162,8 @@ def routing_phase(dom: domain.Domain, model: str, quick: bool) -> dict[str, Any]
     return {
         "arms": arms,
         "ideal_hit_ratio": sum(ideal) / sum(map(len, prompts)),
+        "order": list(order),
+        "loadavg_1m_start_end": load,
         "trace": {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                   "sessions": len(trace.sessions), "concurrency": concurrency,
                   **{k: getattr(cfg, k) for k in cfg.__dataclass_fields__}},
@@ -232,7 +239,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="small trace, fewer rounds")
     ap.add_argument("--out", required=True, help="JSON result path")
+    ap.add_argument(
+        "--order",
+        default=",".join(ARMS),
+        help=f"the order the routing arms run in (default {','.join(ARMS)})",
+    )
     args = ap.parse_args()
+    order = tuple(args.order.split(","))
+    if sorted(order) != sorted(ARMS):
+        ap.error(f"--order: give each of {', '.join(ARMS)} once, got {args.order!r}")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvpool-gw-bench-") as tmp:
         dom = domain.Domain.render(Path(tmp))
@@ -241,7 +256,7 @@ def main() -> int:
             log(f"controller ready in {dom.start(dom.names('controller')):.1f}s")
             over = overhead_phase(dom, model, args.quick)
             log(f"workers {dom.names('worker')} ready in {dom.start(dom.names('worker')):.1f}s")
-            routing = routing_phase(dom, model, args.quick)
+            routing = routing_phase(dom, model, args.quick, order)
             log("tokenization through the gateway's encoder at 1K/8K/32K tokens")
             tok, encoder = tokenize_bench.run(dom.local_gateway_config(), args.quick)
         finally:
@@ -293,6 +308,8 @@ def main() -> int:
             "workers": len(dom.worker_urls),
             "pool": str(domain.POOL_FILE.relative_to(HERE.parents[1])),
             "trace": routing["trace"],
+            "arm_order": routing["order"],
+            "loadavg_1m_start_end": routing["loadavg_1m_start_end"],
             "overhead": over,
             "gateway_encoder": encoder,
         },
