@@ -234,12 +234,20 @@ def test_hand_edited_pod_is_refused_by_the_worker(
     assert after == before
 
 
+def _refused(url: str) -> bool:
+    try:
+        resp = httpx.get(url, timeout=5)
+    except httpx.TransportError:
+        return False
+    return resp.status_code == 503 and resp.json().get("status") == "refused"
+
+
 def test_worker_of_another_domain_is_refused_by_the_controller(
     domain: Domain, tmp_path: Path
 ) -> None:
     """A worker rendered for the same pool with another hashSeed (an old-seed pod left over
     from a rollout) is self-consistent, so it starts; the controller refuses its registration
-    by fingerprint, counts it and never indexes its KV."""
+    by fingerprint, counts it and never indexes its KV; the worker turns unready, saying why."""
     other = tmp_path / "cpu-demo-seed1.yaml"
     text = EXAMPLE.read_text()
     assert 'hashSeed: "0"' in text
@@ -266,5 +274,8 @@ def test_worker_of_another_domain_is_refused_by_the_controller(
         log = domain.log("demo-controller")
         assert f"refusing instance {stranger_id}" in log and "fingerprint mismatch" in log
         assert not registered(controller, stranger_id)
-        assert run.proc.poll() is None or run.proc.returncode == 2
+        # The refused pod says why on its readiness probe, so it never receives traffic.
+        ready = f"{run.url}/readyz"
+        poll("refused pod unready", lambda: _refused(ready), READY_S)
+        assert "refused" in httpx.get(ready, timeout=5).json()["status"]
     print(json.dumps({"refused": stranger_id}))

@@ -52,8 +52,12 @@ POD_IP = "10.0.0.7"  # what the kubelet puts in valueFrom.fieldRef status.podIP
 # Enum values that validate clean in no example, and why (so a silently narrowed API is seen).
 NEVER_CLEAN: dict[tuple[str, str, str], str] = {}
 # Values that are valid only with another field set too (the rules say so): set both.
-_PD_CUDA: dict[tuple[str, ...], Any] = {("spec", "prefill", "engine", "platform"): "cuda",
-            ("spec", "decode", "engine", "platform"): "cuda"}  # fmt: skip
+_PD_CUDA: dict[tuple[str, ...], Any] = {
+    ("spec", "prefill", "engine", "platform"): "cuda",
+    ("spec", "decode", "engine", "platform"): "cuda",
+    ("spec", "transfer", "channel"): "nixl",
+    ("spec", "transfer", "bufferDevice"): "cuda",
+}  # fmt: skip
 COMPANIONS: dict[tuple[str, str, str], dict[tuple[str, ...], Any]] = {
     ("KVCachePool", "spec.controller.persistence.mode", "redis"): {
         ("spec", "controller", "persistence", "redisUrl"): "redis://kv-redis.llm.svc:6379/0"

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -176,32 +176,15 @@ def _running(run: Running) -> bool:
     return run.proc.poll() is None
 
 
-def up(
-    files: Sequence[str],
+def _serve(
+    rendered: Rendered,
     state_dir: Path,
-    out: TextIO,
-    ready_timeout_s: float = 300.0,
-    skip: Sequence[str] = (),
+    say: Callable[[str], None],
+    stop: threading.Event,
+    ready_timeout_s: float,
+    skip: Sequence[str],
 ) -> int:
-    """Run the render until a signal or ``down``; 0 after a clean stop, 1 on a failure.
-
-    ``skip`` names workloads not to start (one you run yourself, e.g. under a debugger: the
-    others still address it at its mapped local port, printed at the start)."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    previous = read_state(state_dir)
-    if previous is not None and pid_alive(int(previous["up_pid"])):
-        raise StackError(
-            f"a domain is already up from {state_dir} (pid {previous['up_pid']}): "
-            f"kvpool-operator down --state-dir {state_dir}"
-        )
-    rendered = render_files(files)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-
-    def say(line: str) -> None:
-        print(line, file=out, flush=True)
-
+    """Start the stages, then supervise until ``stop``; every process is stopped on return."""
     with LocalStack(rendered.objects, state_dir, rendered.services) as stack:
         unknown = sorted(set(skip) - set(stack.rendered))
         if unknown:
@@ -254,9 +237,40 @@ def up(
             if notes:
                 write_state(state_dir, stack, True)
         say("stopping every process")
-    (state_dir / STATE_FILE).unlink(missing_ok=True)
     say("stopped")
     return 0
+
+
+def up(
+    files: Sequence[str],
+    state_dir: Path,
+    out: TextIO,
+    ready_timeout_s: float = 300.0,
+    skip: Sequence[str] = (),
+) -> int:
+    """Run the render until a signal or ``down``; 0 after a clean stop, 1 on a failure.
+
+    ``skip`` names workloads not to start (one you run yourself, e.g. under a debugger: the
+    others still address it at its mapped local port, printed at the start)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    previous = read_state(state_dir)
+    if previous is not None and pid_alive(int(previous["up_pid"])):
+        raise StackError(
+            f"a domain is already up from {state_dir} (pid {previous['up_pid']}): "
+            f"kvpool-operator down --state-dir {state_dir}"
+        )
+    rendered = render_files(files)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    try:
+        return _serve(rendered, state_dir, say, stop, ready_timeout_s, skip)
+    finally:  # stopped, failed or interrupted: nothing of this run is up any more
+        (state_dir / STATE_FILE).unlink(missing_ok=True)
 
 
 def down(state_dir: Path, out: TextIO, grace_s: float = 30.0) -> int:
