@@ -217,7 +217,7 @@ def _validate(docs: list[dict[str, Any]]) -> list[Problem]:
 
 
 @settings(
-    max_examples=200,
+    max_examples=150,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
