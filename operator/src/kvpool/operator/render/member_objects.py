@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
-
 from kvpool.operator.api.common import Resources
 from kvpool.operator.api.members import EngineSpec, P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
@@ -193,7 +191,7 @@ def member_objects(pool: KVCachePool, member: P2PGroup | PDPair) -> list[Obj]:
         f"{pool_fingerprint(pool)}. Do not edit: the operator overwrites it.\n"
     )
     data = {
-        names.instance_config_key(inst): header + yaml.safe_dump(cfg, sort_keys=True)
+        names.instance_config_key(inst): header + k8s.config_text(cfg)
         for inst, cfg in configs.items()
     }
     out: list[Obj] = [

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import yaml
-
 from kvpool.operator.api.members import P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.derive import names
@@ -195,7 +193,7 @@ def gateway_objects(
     ns = pool.metadata.namespace
     name = names.gateway_name(pool)
     labels = names.pool_labels(pool, "gateway")
-    config = yaml.safe_dump(_gateway_config(pool, members, ready_pd_pairs), sort_keys=True)
+    config = k8s.config_text(_gateway_config(pool, members, ready_pd_pairs))
     port_map = {"http": spec.port}
     for member in sorted(members, key=lambda m: m.metadata.name):
         if isinstance(member, PDPair):
