@@ -55,6 +55,7 @@ def _pool(draw: st.DrawFn) -> dict[str, Any]:
         "model": {
             "numKvHeads": draw(st.sampled_from([1, 2, 6, 8])),
             "mla": draw(st.booleans()),
+            "kvDtype": draw(st.sampled_from(["bfloat16", "int8"])),
         },
         "chunkSize": draw(st.sampled_from([64, 100, 256, 300])),
         "blockSize": draw(st.sampled_from([16, 48, 128])),
