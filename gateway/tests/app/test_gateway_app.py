@@ -361,3 +361,20 @@ def test_a_p2p_peer_counts_its_group_s_chunks_as_remote() -> None:
     assert cands["b"].hit == PrefixHit(4, {"p2p-peer": 4})
     a_w, b_w = (weighted_hit_tokens(cands[n].hit, CHUNK, 16) for n in ("a", "b"))
     assert a_w > b_w > 0
+
+
+async def test_a_hot_prefix_does_not_collapse_the_pool_onto_its_holder() -> None:
+    scripts = [Script(n, first_byte_delay_s=0.5) for n in ("a", "b", "c")]
+    extra = {"guards": {"imbalanceAbs": 4}}
+    async with gateway(scripts, ControllerScript(hits={"a~x": 4}), extra=extra) as (client, _):
+        results = await asyncio.gather(
+            *(client.post("/v1/completions", json=PROMPT) for _ in range(18))
+        )
+        where = [r.headers["x-kvpool-instance"] for r in results]
+        assert where.count("a") <= 8  # it leads by at most imbalanceAbs in flight
+        assert where.count("b") + where.count("c") >= 10
+        # the others got it as a hit too: the prefix was routed there moments ago (pending)
+        assert {r.headers["x-kvpool-route-reason"] for r in results} <= {
+            "kv-hit",
+            "imbalance-guard",
+        }
