@@ -191,40 +191,20 @@ def _adjust(
     generation: int | None,
 ) -> list[Condition]:
     """Overlay what the operator observed on running pods onto the validation conditions."""
-    if drift.seed:
-        conds = status_code.set_condition(
-            conds,
-            "HashSeedConsistent",
-            False,
-            ("OneSeedPerDomain", "PodSeedMismatch"),
-            "; ".join(drift.seed),
-            previous,
-            now,
-            generation,
-        )
-    if drift.ports:
-        conds = status_code.set_condition(
-            conds,
-            "PortsConsistent",
-            False,
-            ("Allocated", "PodPortsMismatch"),
-            "; ".join(drift.ports),
-            previous,
-            now,
-            generation,
-        )
-    if drift.stale:
-        conds = status_code.set_condition(
-            conds,
-            "Progressing",
-            True,
-            ("RollingOut", "Stable"),
-            f"{len(drift.stale)} pod(s) not yet on the current domain rollout: "
-            + ", ".join(drift.stale[:10]),
-            previous,
-            now,
-            generation,
-        )
+    stale = f"{len(drift.stale)} pod(s) not yet on the current domain rollout: " + ", ".join(
+        drift.stale[:10]
+    )
+    overlays = [
+        (drift.seed, "HashSeedConsistent", False, ("OneSeedPerDomain", "PodSeedMismatch")),
+        (drift.ports, "PortsConsistent", False, ("Allocated", "PodPortsMismatch")),
+        (drift.stale, "Progressing", True, ("RollingOut", "Stable")),
+    ]
+    for found, ctype, ok, reasons in overlays:
+        if found:
+            message = stale if ctype == "Progressing" else "; ".join(found)
+            conds = status_code.set_condition(
+                conds, ctype, ok, reasons, message, previous, now, generation
+            )
     return conds
 
 
