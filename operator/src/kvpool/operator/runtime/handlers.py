@@ -29,6 +29,9 @@ Obj = dict[str, Any]
 log = logging.getLogger(__name__)
 MEMBER_PLURALS = {"P2PGroup": "p2pgroups", "PDPair": "pdpairs"}
 MANAGED_STS = {"app.kubernetes.io/managed-by": "kvpool-operator"}
+#: Retry of a reconcile that failed on the API (not an invalid spec: that is permanent). The
+#: pass is level-triggered and idempotent, so kopf's default of 60 s only delays recovery.
+RETRY_S = 5.0
 
 
 class IndexSource:
@@ -188,7 +191,7 @@ def register(
         _raise_if_invalid(result, f"KVCachePool/{kw['name']}")
 
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
-        on(*pools, id="reconcile", registry=registry)(reconcile_pool)
+        on(*pools, id="reconcile", backoff=RETRY_S, registry=registry)(reconcile_pool)
 
     @kopf.on.delete(*pools, id="finalize", registry=registry)
     async def delete_pool(**kw: Any) -> None:
@@ -222,7 +225,9 @@ def register(
 
     for plural in MEMBER_PLURALS.values():
         for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
-            on(GROUP, VERSION, plural, id="reconcile", registry=registry)(reconcile_member)
+            on(GROUP, VERSION, plural, id="reconcile", backoff=RETRY_S, registry=registry)(
+                reconcile_member
+            )
         kopf.on.delete(GROUP, VERSION, plural, id="finalize", registry=registry)(delete_member)
 
     @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED_STS, registry=registry)

@@ -106,7 +106,9 @@ class KubeClient:
 
     def __init__(self, field_manager: str, timeout_s: float = 30.0) -> None:
         self.field_manager = field_manager
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # Per socket operation, not per request: under a burst, requests queue for one of the
+        # pooled connections, and that wait must not count as the API server being down.
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=timeout_s)
         self._creds: kopf.ConnectionInfo | None = None
         self._session: aiohttp.ClientSession | None = None
         self.requests = 0
