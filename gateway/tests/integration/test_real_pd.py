@@ -6,7 +6,6 @@ run of the same prompt, and the decoder reports the prompt as served from the tr
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,9 +97,16 @@ async def test_pd_through_the_gateway_equals_a_single_instance_run(pair: dict[st
         assert r.status_code == 200, r.text
         assert r.headers["x-kvpool-instance"] == "pre-0,dec-0"
         out = r.json()
+        # a prompt shorter than one chunk is transferred too (the sender saves unfull chunks)
+        short = {"prompt": "The old river.", "max_tokens": 4, "temperature": 0}
+        async with httpx.AsyncClient(timeout=120) as direct:
+            alone = await direct.post(f"{pair['urls']['decode']}/v1/completions", json=short)
+        r = await c.post("/v1/completions", json=short)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         metrics = (await c.get("/metrics")).text
-        await asyncio.sleep(0)
     assert out["choices"][0]["text"] == single["choices"][0]["text"]
     assert out["usage"]["completion_tokens"] == 6
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
-    assert 'kvpool_gateway_pd_requests_total{outcome="transferred",pair="pd"}' in metrics
+    assert 'kvpool_gateway_pd_requests_total{outcome="transferred",pair="pd"} 3.0' in metrics
