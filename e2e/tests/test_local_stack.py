@@ -142,68 +142,30 @@ def test_controller_restart_recovers_the_index_by_full_sync(domain: Domain) -> N
     assert metric(controller, "kvpool_controller_full_syncs_total", '{outcome="completed"}') >= 1
 
 
-def test_killed_worker_leaves_the_index_and_lookups_never_hang(domain: Domain) -> None:
-    """B is SIGKILLed (no deregistration). Lookups keep answering at once while it is gone;
-    its KV died with it, so once ``up`` has restarted it, the index lists none of B's old
-    chunks (purged or replaced on re-registration), and A's stay."""
-    a, b = domain.url("demo-p2p-0"), domain.url("demo-p2p-1")
+def test_killed_worker_is_routed_around_and_leaves_the_index(domain: Domain) -> None:
+    """B alone computed a prefix, then is SIGKILLed (no deregistration). Lookups keep
+    answering at once; the gateway sends the next request for that prefix to A (B is gone),
+    which answers what B answered (a dead peer in the index never hangs A's P2P lookup). Its
+    KV died with it: once ``up`` has restarted B, the index lists none of B's old chunks."""
+    b = domain.url("demo-p2p-1")
+    gateway, controller = domain.url("demo-gateway"), domain.url("demo-controller")
     me_a, me_b = domain.instance_id("demo-p2p-0"), domain.instance_id("demo-p2p-1")
     msgs = messages("the crash", 60)
     toks = tokens(b, msgs)
     full = len(toks) // CHUNK
-    chat(b, msgs)
-    chat(a, msgs)
-    controller = domain.url("demo-controller")
-    poll("both hold it", lambda: {me_a, me_b} <= set(prefix_hits(controller, toks)))
+    on_b = chat(b, msgs)
+    poll("B's chunks", lambda: prefix_hits(controller, toks).get(me_b, 0) >= full)
+    assert me_a not in prefix_hits(controller, toks)
     old = domain.kill("demo-p2p-1")
     t0 = time.monotonic()
-    assert prefix_hits(controller, toks).get(me_a) == full
-    assert time.monotonic() - t0 < 5  # a dead peer never makes a lookup hang
+    assert prefix_hits(controller, toks).get(me_b, 0) in (0, full)
+    assert time.monotonic() - t0 < 5  # a dead instance never makes a lookup hang
+    rerouted = chat(gateway, msgs)
+    assert rerouted.headers.get("x-kvpool-instance") == "demo-p2p-0", rerouted.headers
+    assert rerouted.text == on_b.text
     domain.restarted("demo-p2p-1", old)
     poll("B's old chunks gone", lambda: me_b not in prefix_hits(controller, toks), READY_S)
-    assert prefix_hits(controller, toks).get(me_a) == full
-
-
-def test_gateway_routes_to_the_instance_holding_the_prefix(domain: Domain) -> None:
-    """A prefix only ``demo-p2p-1`` computed: the gateway (kv-aware, fed by the controller's
-    index) sends the next request for it there, says why, and the worker hits its KV."""
-    gateway, controller = domain.url("demo-gateway"), domain.url("demo-controller")
-    b, me_b = domain.url("demo-p2p-1"), domain.instance_id("demo-p2p-1")
-    msgs = messages("the routing", 70)
-    toks = tokens(b, msgs)
-    full = len(toks) // CHUNK
-    chat(b, msgs)
-    poll("B's chunks", lambda: prefix_hits(controller, toks).get(me_b, 0) >= full)
-    for _ in range(2):  # the gateway's replica of the index may lag a moment behind
-        routed = chat(gateway, msgs)
-        if routed.headers.get("x-kvpool-instance") == "demo-p2p-1":
-            break
-        time.sleep(2)
-    assert routed.headers.get("x-kvpool-instance") == "demo-p2p-1", routed.headers
-    assert routed.headers.get("x-kvpool-route-reason") == "kv-hit", routed.headers
-    assert routed.cached >= full * CHUNK
-
-
-@pytest.mark.parametrize("mode", ["push"])  # the CPU path's PD modes (pull modes: ascend only)
-def test_pd_through_the_gateway_equals_a_single_instance_run(domain: Domain, mode: str) -> None:
-    """Prefill on ``demo-pd-prefill-0``, KV handed to ``demo-pd-decode-0`` over NIXL, decode
-    there: the text equals one instance's greedy run, and the decoder loaded the prompt's KV.
-    Also a prompt shorter than one chunk (the sender stores unfull chunks)."""
-    assert domain.rendered["demo-gateway"].files  # the pair is listed in gateway.yaml
-    (gw_cfg,) = domain.rendered["demo-gateway"].files.values()
-    assert f"mode: {mode}" in gw_cfg
-    gateway, single = domain.url("demo-gateway"), domain.url("demo-p2p-0")
-    for msgs in (messages("the disaggregation", 60), messages("short", 3)):
-        alone = chat(single, [{"role": "system", "content": "pd"}, *msgs], max_tokens=10)
-        pd = chat(
-            gateway,
-            [{"role": "system", "content": "pd"}, *msgs],
-            max_tokens=10,
-            headers={"x-kvpool-pd": "demo-pd"},
-        )
-        assert pd.headers.get("x-kvpool-instance") == "demo-pd-prefill-0,demo-pd-decode-0"
-        assert pd.text == alone.text
-        assert pd.cached > 0, pd.usage  # the decoder served the prompt from the transfer
+    assert prefix_hits(controller, toks).get(me_a, 0) >= full  # A computed it when rerouted
 
 
 @pytest.mark.parametrize(
