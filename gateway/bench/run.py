@@ -98,12 +98,23 @@ def arm(
     delta = {
         key: [after[u][key] - before[u][key] for u in dom.worker_urls] for key in replay.COUNTERS
     }
-    total = sum(delta["prompt_tokens"]) or 1.0
     return {
         "results": results,
         "wall_s": wall,
-        "worker_prompt_share": [v / total for v in delta["prompt_tokens"]],
+        "worker_prompt_tokens": delta["prompt_tokens"],
         "p2p_tokens": sum(delta["p2p_chunks"]) * int(dom.gateway_config["chunkSize"]),
+    }
+
+
+def merge_passes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """One arm's two passes as one: requests pooled, times and counters added."""
+    return {
+        "results": a["results"] + b["results"],
+        "wall_s": a["wall_s"] + b["wall_s"],
+        "worker_prompt_tokens": [
+            x + y for x, y in zip(a["worker_prompt_tokens"], b["worker_prompt_tokens"], strict=True)
+        ],
+        "p2p_tokens": a["p2p_tokens"] + b["p2p_tokens"],
     }
 
 
@@ -124,13 +135,13 @@ def summarize_arm(a: dict[str, Any]) -> dict[str, float]:
         "ttft_p99_ms": overhead.percentile(ttft, 99),
         "req_per_s": len(res) / a["wall_s"],
         "prompt_tokens_per_s": prompt / a["wall_s"],
-        "max_worker_share": max(a["worker_prompt_share"]),
+        "max_worker_share": max(a["worker_prompt_tokens"]) / (sum(a["worker_prompt_tokens"]) or 1),
         "requests": float(len(res)),
     }
 
 
 def routing_phase(
-    dom: domain.Domain, model: str, quick: bool, order: tuple[str, ...] = ARMS
+    dom: domain.Domain, model: str, quick: bool, order: tuple[str, ...] = ARMS, passes: int = 1
 ) -> dict[str, Any]:
     cfg = trace_config(quick)
     trace = agent_trace.generate(cfg)
@@ -148,12 +159,16 @@ def routing_phase(
     replay.clear_workers(dom.worker_urls, dom.controller_url, warm_prompts)
     arms: dict[str, Any] = {}
     load: dict[str, list[float]] = {}
-    for name in order:
+    # passes alternate the order (ABC CBA ...), pooled per arm, so that a drift of the shared
+    # box's load over the run does not favour one arm
+    runs = [n for k in range(passes) for n in (order if k % 2 == 0 else order[::-1])]
+    for name in runs:
         log(f"arm {name}: replaying {len(prompts)} requests, {concurrency} sessions at once")
         before = os.getloadavg()[0]
-        arms[name] = arm(dom, name, trace, model, concurrency)
-        load[name] = [before, os.getloadavg()[0]]  # the box is shared: say how busy it was
-        s = summarize_arm(arms[name])
+        got = arm(dom, name, trace, model, concurrency)
+        arms[name] = merge_passes(arms[name], got) if name in arms else got
+        load.setdefault(name, []).extend([before, os.getloadavg()[0]])  # how busy the box was
+        s = summarize_arm(got)
         log(f"  hit ratio {s['hit_ratio']:.3f} (local {s['local_hit_ratio']:.3f}), TTFT p50 "
             f"{s['ttft_p50_ms']:.0f} ms p90 "
             f"{s['ttft_p90_ms']:.0f} ms, {s['req_per_s']:.2f} req/s")  # fmt: skip
@@ -162,7 +177,7 @@ def routing_phase(
     return {
         "arms": arms,
         "ideal_hit_ratio": sum(ideal) / sum(map(len, prompts)),
-        "order": list(order),
+        "order": runs,
         "loadavg_1m_start_end": load,
         "trace": {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                   "sessions": len(trace.sessions), "concurrency": concurrency,
@@ -240,12 +255,18 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small trace, fewer rounds")
     ap.add_argument("--out", required=True, help="JSON result path")
     ap.add_argument(
+        "--passes",
+        type=int,
+        help="routing passes, alternating the order (default 1 with --quick, else 2)",
+    )
+    ap.add_argument(
         "--order",
         default=",".join(ARMS),
         help=f"the order the routing arms run in (default {','.join(ARMS)})",
     )
     args = ap.parse_args()
     order = tuple(args.order.split(","))
+    passes = args.passes if args.passes is not None else 1 if args.quick else 2
     if sorted(order) != sorted(ARMS):
         ap.error(f"--order: give each of {', '.join(ARMS)} once, got {args.order!r}")
     t0 = time.monotonic()
@@ -256,7 +277,7 @@ def main() -> int:
             log(f"controller ready in {dom.start(dom.names('controller')):.1f}s")
             over = overhead_phase(dom, model, args.quick)
             log(f"workers {dom.names('worker')} ready in {dom.start(dom.names('worker')):.1f}s")
-            routing = routing_phase(dom, model, args.quick, order)
+            routing = routing_phase(dom, model, args.quick, order, passes)
             log("tokenization through the gateway's encoder at 1K/8K/32K tokens")
             tok, encoder = tokenize_bench.run(dom.local_gateway_config(), args.quick)
         finally:
@@ -310,6 +331,10 @@ def main() -> int:
             "trace": routing["trace"],
             "arm_order": routing["order"],
             "loadavg_1m_start_end": routing["loadavg_1m_start_end"],
+            "ttft_ms": {
+                n: [round(r.ttft_s * 1e3, 1) for r in a["results"]]
+                for n, a in routing["arms"].items()
+            },
             "overhead": over,
             "gateway_encoder": encoder,
         },
