@@ -243,6 +243,10 @@ async def test_twice_the_capacity_gets_429_with_retry_after() -> None:
         refused = next(r for r in results if r.status_code == 429)
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "saturated"
+        m = (await client.get("/metrics")).text
+        assert metric(m, 'kvpool_gateway_requests_total{endpoint="completions",status="429"}') == 4
+        assert metric(m, 'kvpool_gateway_requests_total{endpoint="completions",status="200"}') == 4
+        assert metric(m, 'kvpool_gateway_rejections_total{reason="saturated"}') == 4
 
 
 async def test_controller_down_serves_by_fallback_and_readyz_says_degraded() -> None:

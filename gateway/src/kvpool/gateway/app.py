@@ -30,7 +30,9 @@ def build_app(state: GatewayState) -> FastAPI:
 
     app = FastAPI(title="kvpool gateway", lifespan=lifespan)
     app.state.gateway = state
-    install_handlers(app)
+    install_handlers(
+        app, lambda endpoint, status: state.metrics.requests.labels(endpoint, str(status)).inc()
+    )
     app.include_router(api_ops.router)
     app.include_router(api_openai.router)
     app.include_router(api_memory.router)

@@ -9,7 +9,7 @@ instance and why; a stack trace never reaches a client (it goes to the log).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -94,16 +94,25 @@ def validation_error(errors: Sequence[Any]) -> GatewayError:
     return bad_request(f"{where}{msg}{more}", param)
 
 
-def install_handlers(app: FastAPI) -> None:
-    """Every exception becomes an OpenAI-shaped JSON answer."""
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def install_handlers(app: FastAPI, on_error: Callable[[str, int], None] | None = None) -> None:
+    """Every exception becomes an OpenAI-shaped JSON answer; ``on_error(endpoint, status)``
+    counts the refused ones (the proxy counts the answered ones)."""
+
+    def counted(request: Request, err: GatewayError) -> JSONResponse:
+        if on_error is not None:
+            on_error(ENDPOINTS.get(request.url.path, request.url.path), err.status)
+        return err.response()
 
     @app.exception_handler(GatewayError)
     async def _gateway(request: Request, exc: GatewayError) -> JSONResponse:
-        return exc.response()
+        return counted(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
+        return counted(request, validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

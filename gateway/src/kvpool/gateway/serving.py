@@ -80,7 +80,11 @@ async def serve(
     pair = pd_pair_for(state, request)
     headers = {SESSION_HEADER: session} if session else {}
     pinned = pinned_instance(state, request)  # a bad header is refused before taking a slot
-    await state.admission.acquire()
+    try:
+        await state.admission.acquire()
+    except GatewayError as exc:
+        state.metrics.rejections.labels(exc.code or "saturated").inc()
+        raise
     if pair is not None:
         release = once(state.admission.release)
         try:
