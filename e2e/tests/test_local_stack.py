@@ -240,4 +240,5 @@ def test_worker_of_another_domain_is_refused_by_the_controller(
         ready = f"{run.url}/readyz"
         poll("refused pod unready", lambda: _refused(ready), READY_S)
         assert "refused" in httpx.get(ready, timeout=5).json()["status"]
+        old.close(grace_s=5)  # a test pod: no need for the kubelet's full grace period
     print(json.dumps({"refused": stranger_id}))
