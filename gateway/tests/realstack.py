@@ -19,7 +19,7 @@ from kvpool.protocol.domain import DomainFacts, domain_fingerprint
 SEED = "42"
 FACTS = DomainFacts(16, 256, "builtin", SEED, "float32", "kvpool/reference-tiny")
 BIN = Path(sys.executable).parent
-READY_S = 180
+READY_S = 300  # a reference worker on a loaded 2-core box can take minutes to start
 
 
 def free_port() -> int:

@@ -21,7 +21,7 @@ from kvpool.gateway.config import GatewayEnv, parse_config
 from kvpool.gateway.state import build_state
 from kvpool.protocol.domain import domain_fingerprint, instance_id
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(600)
 
 
 def _config(name: str, role: str, lines: list[str]) -> str:

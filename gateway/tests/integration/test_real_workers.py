@@ -28,7 +28,7 @@ from kvpool.gateway.prompts import LocalEncoder, RemoteEncoder
 from kvpool.gateway.state import build_state
 from kvpool.protocol.domain import domain_fingerprint, instance_id
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture
