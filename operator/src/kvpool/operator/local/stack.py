@@ -270,22 +270,34 @@ class LocalStack:
         return stop_group(run.proc.pid, grace_s, run.proc)
 
     def close(self, grace_s: float = 30.0) -> None:
-        """Stop every process group at once (SIGTERM, SIGKILL after ``grace_s``)."""
+        """Stop every process group, the reverse of the start order one component at a time
+        (gateway, workers, controller, services: a worker still reaches the controller to
+        deregister), the groups of one component together (SIGTERM, SIGKILL after
+        ``grace_s``)."""
         runs = list(self.running.values())
         self.running.clear()
-        for run in runs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(run.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(r.proc.poll() is None for r in runs):
-            time.sleep(0.1)
-        for run in runs:
-            if run.proc.poll() is None:
-                logger.warning("%s ignored SIGTERM for %.0fs: killing", run.workload.name, grace_s)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(run.proc.pid, signal.SIGKILL)  # stragglers of the group, too
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                run.proc.wait(timeout=5)
+        waves: list[list[Running]] = []
+        for run in reversed(runs):
+            if waves and waves[-1][0].workload.component == run.workload.component:
+                waves[-1].append(run)
+            else:
+                waves.append([run])
+        for wave in waves:
+            for run in wave:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(run.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and any(r.proc.poll() is None for r in wave):
+                time.sleep(0.1)
+            for run in wave:
+                if run.proc.poll() is None:
+                    logger.warning(
+                        "%s ignored SIGTERM for %.0fs: killing", run.workload.name, grace_s
+                    )
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(run.proc.pid, signal.SIGKILL)  # stragglers of the group, too
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    run.proc.wait(timeout=5)
 
     def manifest(self) -> dict[str, Any]:
         """What runs (pid, process group, ports, log) and every rewrite of the render."""
