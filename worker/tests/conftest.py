@@ -12,6 +12,8 @@ import os
 # LMCache reads these at import time and never phones home with them set.
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+# NIXL's UCX in this process (in-process pullers) uses loopback only, like the workers.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import contextlib
 import importlib.util

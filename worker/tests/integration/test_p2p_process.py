@@ -4,18 +4,40 @@ All real: kvpool-controller (LMCache wire protocol), two reference workers with 
 engine, NIXL over UCX on 127.0.0.1 (``transfer_channel: nixl``; never py_socket or
 mock_memory, which move no data). Worker B serves a prompt that only worker A computed: B's
 scheduler waits on LMCache's asynchronous lookup, LMCache pulls A's chunks, B's greedy answer
-equals A's cold answer. Then: a conversation's next turn hits the previous answer, A's
-prefetch leases are back to zero, A killed without deregistering never makes B hang, and a
-worker of another cache domain that the controller refuses is not ready, with the reason.
+equals A's cold answer. Then: everything a pull holds is given back (on the holder and the
+puller; after a completed pull, after 1000 pulls aborted at once, after a puller killed
+mid-pull), a conversation's next turn hits the previous answer, A killed without deregistering
+never makes B hang, and a worker of another cache domain that the controller refuses is not
+ready, with the reason.
+
+Upstream LMCache 0.5.6's P2P is push-only: the holder pins the chunks only while it writes
+them into the puller's buffers; there is no pending-pull lease and no TTL (that is
+LMCache-Ascend's pull mode, ``p2p_pull_pending_ttl``; see README). The 1000-pull check drives
+this process's own LMCache engine as the puller, so it runs in seconds and can read LMCache's
+allocator.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
-from transfer_stack import cached, complete, engine_metric, tokens  # loaded by conftest
+import torch
+from transfer_stack import (  # loaded by conftest
+    CHANNEL,
+    FINGERPRINT,
+    cached,
+    complete,
+    engine_metric,
+    tokens,
+    worker_env,
+)
+
+from kvpool.worker.engine.offload import LMCacheOffload
 
 Stack = Any
 
@@ -33,8 +55,11 @@ def test_peer_prefix_is_pulled_and_answers_like_a_cold_run(stack: Stack) -> None
     ctl = stack.controller(ttl_s=4.0)
     # C belongs to another cache domain (another PYTHONHASHSEED): the controller refuses it.
     c = stack.worker("p2p-c", stack.p2p_config("p2p-c", ctl, seed="7"), wait=False, seed="7")
-    a = stack.worker("p2p-a", stack.p2p_config("p2p-a", ctl))
-    b = stack.worker("p2p-b", stack.p2p_config("p2p-b", ctl))
+    killed = start_killed_puller(stack, ctl)
+    a = stack.worker("p2p-a", stack.p2p_config("p2p-a", ctl), wait=False)
+    b = stack.worker("p2p-b", stack.p2p_config("p2p-b", ctl), wait=False)
+    stack.wait_ready("p2p-a", a)
+    stack.wait_ready("p2p-b", b)
     http = httpx.Client(base_url=ctl["http"], timeout=5)
 
     # 1. A computes the prompt cold; the controller learns A's chunks.
@@ -58,6 +83,7 @@ def test_peer_prefix_is_pulled_and_answers_like_a_cold_run(stack: Stack) -> None
         "lmcache_pinned"
     ] == 0  # fmt: skip
     assert engine_metric(b, "pending_prefetches") == 0
+    check_leases(stack, ctl, a, prompt, killed)
 
     # 3. Generated tokens are stored too: the next turn hits the previous answer.
     turn1 = tokens(500, seed=2)
@@ -94,3 +120,76 @@ def test_peer_prefix_is_pulled_and_answers_like_a_cold_run(stack: Stack) -> None
     assert (
         httpx.post(f"{c}/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 503
     )
+
+
+GEOMETRY = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}
+KILLED_PULLER = """
+import os, sys, time, json, pathlib
+from kvpool.worker.engine.offload import LMCacheOffload
+cfg, geometry, go = json.loads(sys.argv[1]), json.loads(sys.argv[2]), pathlib.Path(sys.argv[3])
+off = LMCacheOffload(cfg, instance_id=cfg["lmcache_instance_id"], dtype="float32",
+                     model_name="kvpool/reference-tiny", **geometry)
+go.with_suffix(".ready").write_text("1")
+while not go.exists():
+    time.sleep(0.05)
+off.start_lookup(json.loads(go.read_text()))
+time.sleep(0.05)  # the pull is on its way: die in the middle of it
+os._exit(9)
+"""
+
+
+def puller_config(stack: Any, ctl: dict[str, str], name: str) -> dict[str, Any]:
+    cfg: dict[str, Any] = {**stack.p2p_config(name, ctl), **CHANNEL}
+    cfg["lmcache_instance_id"] = f"{name}~{FINGERPRINT}"
+    return cfg
+
+
+def start_killed_puller(stack: Any, ctl: dict[str, str]) -> tuple[Any, Path]:
+    """A bare LMCache puller process, started early (it loads while the workers do)."""
+    go = stack.tmp / "killed-puller.go"
+    cfg = puller_config(stack, ctl, "killed-puller")
+    argv = [sys.executable, "-c", KILLED_PULLER, json.dumps(cfg), json.dumps(GEOMETRY), str(go)]
+    env = worker_env(stack.tmp / "unused.yaml")  # the rendered env; the config is argv's
+    del env["LMCACHE_CONFIG_FILE"]
+    env["UCX_NET_DEVICES"] = "lo"  # what the worker derives from POD_IP
+    proc = stack._spawn("killed-puller", argv, env)
+    return proc, go
+
+
+def check_leases(
+    stack: Any, ctl: dict[str, str], a: str, prompt: list[int], killed: tuple[Any, Path]
+) -> None:
+    def a_pinned() -> int:
+        stats = httpx.get(f"{a}/memory/stats", timeout=5).json()
+        return int(stats["engine"]["tiers"]["local_cpu"]["lmcache_pinned"])
+
+    cfg = puller_config(stack, ctl, "p2p-puller")
+    puller = LMCacheOffload(
+        cfg, instance_id=cfg["lmcache_instance_id"], dtype="float32",
+        model_name="kvpool/reference-tiny", **GEOMETRY,
+    )  # fmt: skip
+    allocator = puller._storage.local_cpu_backend.memory_allocator.cpu_allocator
+    kv = [torch.zeros(2, 64, 16, 2, 64) for _ in range(4)]
+    try:
+        # A completed pull: 512 verified tokens; nothing stays pinned or allocated.
+        assert puller.retrieve(prompt, len(prompt), kv, torch.arange(len(prompt))) == 512
+        assert puller.pending_prefetches() == 0 and allocator.num_active_allocations == 0
+        wait_for(lambda: a_pinned() == 0, 5)
+        # 1000 pulls aborted as soon as they start (at most 32 in flight).
+        for _ in range(1000):
+            puller.cancel_lookup(puller.start_lookup(prompt))
+            while puller.pending_prefetches() > 32:
+                time.sleep(0.001)
+        wait_for(lambda: puller.pending_prefetches() == 0, 60)
+        assert allocator.num_active_allocations == 0
+        wait_for(lambda: a_pinned() == 0, 5)
+        # A puller killed mid-pull: A's pins come back and A still serves pulls.
+        proc, go = killed
+        wait_for(lambda: go.with_suffix(".ready").exists() or proc.poll() is not None, 120)
+        go.write_text(json.dumps(prompt))
+        assert proc.wait(60) == 9, stack.log("killed-puller")[-3000:]
+        wait_for(lambda: a_pinned() == 0, 15)
+        assert puller.retrieve(prompt, len(prompt), kv, torch.arange(len(prompt))) == 512
+        assert allocator.num_active_allocations == 0
+    finally:
+        puller.close(10)

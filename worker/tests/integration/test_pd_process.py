@@ -40,8 +40,15 @@ def test_decode_after_the_transfer_equals_a_single_instance(stack: Any) -> None:
     notifications.bind(f"tcp://127.0.0.1:{proxy_port}")
     notifications.setsockopt(zmq.RCVTIMEO, 30_000)
     try:
-        decode = stack.worker("pd-decode", pd_config("pd-decode", "receiver", 0, init, alloc))
-        prefill = stack.worker("pd-prefill", pd_config("pd-prefill", "sender", proxy_port, 0, 0))
+        decode = stack.worker(
+            "pd-decode", pd_config("pd-decode", "receiver", 0, init, alloc), wait=False
+        )
+        prefill = stack.worker(
+            "pd-prefill", pd_config("pd-prefill", "sender", proxy_port, 0, 0), wait=False
+        )
+        stack.wait_ready("pd-decode", decode)
+        stack.wait_ready("pd-prefill", prefill)
+        assert httpx.get(f"{decode}/health").status_code == 200  # what sglang-router probes
         info = httpx.get(f"{decode}/pd/info").json()
         assert info == {
             "enabled": True, "role": "receiver", "tp_size": 1, "receiver_host": "127.0.0.1",

@@ -26,7 +26,7 @@ import yaml
 from kvpool.protocol.domain import DomainFacts, domain_fingerprint
 
 BIN = Path(sys.executable).parent
-READY_TIMEOUT_S = 150
+READY_TIMEOUT_S = 300  # bounded; a loaded 2-core box needs minutes for 4 LMCache starts
 
 
 def fingerprint(seed: str) -> str:
@@ -125,6 +125,10 @@ class Stack:
         if wait:
             self._wait_http(proc, f"{url}/readyz", name)
         return url
+
+    def wait_ready(self, name: str, url: str) -> None:
+        """Wait for a worker started with ``wait=False`` (workers then load in parallel)."""
+        self._wait_http(self.procs[name], f"{url}/readyz", name)
 
     def _wait_http(self, proc: subprocess.Popen[bytes], url: str, name: str) -> None:
         end = time.monotonic() + READY_TIMEOUT_S
