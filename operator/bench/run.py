@@ -7,6 +7,9 @@ tests (served by this process), creates every CR concurrently and measures the s
 every CR reports observedGeneration == generation and every child the render asks for exists,
 and the operator's peak RSS (VmHWM). Targets: <= 10 s and <= 150 MB — reported, never
 asserted. There is no peer operator to run side by side; the ratios are against the targets.
+A full run repeats the scenario (a fresh emulator and operator each time) and reports the
+median run; ``--quick`` measures the same 100 x 3 scenario once (metrics.pools and
+metrics.members_per_pool say what was measured; KVPOOL_BENCH_POOLS=N shrinks it for debugging).
 
 Usage: ``python operator/bench/run.py [--quick] --out bench-results/operator.json``
 """
@@ -41,6 +44,8 @@ ROOT = HERE.parent.parent
 NAMESPACE = "bench"
 TARGET_S = 10.0
 TARGET_MB = 150.0
+MEMBERS_PER_POOL = 3
+FULL_RUNS = 3
 
 
 def log(msg: str) -> None:
@@ -141,6 +146,9 @@ async def run(pools: int, timeout: float) -> dict[str, float]:
                 idle_mb = peak_rss_mb(proc.pid)
                 docs = fleet(pools)
                 log(f"operator ready ({idle_mb:.0f} MB); creating {len(docs)} CRs at once")
+                cpu0 = psutil.Process(proc.pid).cpu_times()
+                own0 = time.process_time()
+                requests0 = len(server._requests)
                 started = time.monotonic()
                 await asyncio.gather(*(create(http, str(server.url), d) for d in docs))
                 created = time.monotonic() - started
@@ -168,6 +176,7 @@ async def run(pools: int, timeout: float) -> dict[str, float]:
                 rss = peak_rss_mb(proc.pid)
                 cpu = psutil.Process(proc.pid).cpu_times()
                 own = time.process_time()
+                requests = len(server._requests) - requests0
                 log(f"reconciled {len(docs)} CRs in {elapsed:.2f} s, peak RSS {rss:.0f} MB")
                 return {
                     "reconcile_s": round(elapsed, 3),
@@ -175,9 +184,16 @@ async def run(pools: int, timeout: float) -> dict[str, float]:
                     "operator_rss_mb": round(rss, 1),
                     "operator_idle_rss_mb": round(idle_mb, 1),
                     "crs": float(len(docs)),
-                    "api_requests": float(len(server._requests)),
+                    # Requests of the reconcile (the benchmark's own creates included, kopf's
+                    # startup LISTs/WATCHes not): what each CR costs the API server.
+                    "api_requests": float(requests),
+                    "api_requests_per_cr": round(requests / len(docs), 2),
                     "operator_cpu_s": round(cpu.user + cpu.system, 2),
+                    "operator_cpu_reconcile_s": round(
+                        cpu.user + cpu.system - cpu0.user - cpu0.system, 2
+                    ),
                     "emulator_cpu_s": round(own, 2),
+                    "emulator_cpu_reconcile_s": round(own - own0, 2),
                 }
         finally:
             proc.terminate()
@@ -211,22 +227,28 @@ async def create(http: aiohttp.ClientSession, url: str, doc: dict[str, Any]) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="20 pools instead of 100")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"one run instead of the median of {FULL_RUNS}"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/operator.json"))
     args = parser.parse_args(argv)
-    pools = int(os.environ.get("KVPOOL_BENCH_POOLS") or (20 if args.quick else 100))
-    measured = asyncio.run(run(pools, timeout=300))
-    key = f"reconcile_{pools}x3_s"
-    metrics = {
+    pools = int(os.environ.get("KVPOOL_BENCH_POOLS") or 100)
+    runs = []
+    for i in range(1 if args.quick else FULL_RUNS):
+        log(f"run {i + 1} of {1 if args.quick else FULL_RUNS}: {pools} pools x 3 members")
+        runs.append(asyncio.run(run(pools, timeout=300)))
+    measured = sorted(runs, key=lambda r: r["reconcile_s"])[len(runs) // 2]  # the median run
+    key = "reconcile_100x3_s"  # the issue's key; metrics.pools says the scenario measured
+    metrics: dict[str, Any] = {
         key: measured["reconcile_s"],
-        "operator_rss_mb": measured["operator_rss_mb"],
-        "operator_idle_rss_mb": measured["operator_idle_rss_mb"],
-        "create_s": measured["create_s"],
-        "crs": measured["crs"],
-        "api_requests": measured["api_requests"],
-        "operator_cpu_s": measured["operator_cpu_s"],
-        "emulator_cpu_s": measured["emulator_cpu_s"],
+        "pools": pools,
+        "members_per_pool": MEMBERS_PER_POOL,
+        "runs": len(runs),
+        "reconcile_s_each_run": [r["reconcile_s"] for r in runs],
+        "operator_rss_mb": max(r["operator_rss_mb"] for r in runs),
+        **{k: v for k, v in measured.items() if k not in ("reconcile_s", "operator_rss_mb")},
     }
+    measured = {**measured, "operator_rss_mb": metrics["operator_rss_mb"]}
     result = {
         "component": "operator",
         "quick": args.quick,
@@ -246,14 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print("| metric | value | target |\n|---|---|---|")
-    print(f"| {key} | {measured['reconcile_s']:.2f} s | <= {TARGET_S:.0f} s (100x3) |")
+    scenario = f"{pools}x{MEMBERS_PER_POOL}, median of {len(runs)}"
+    print(f"| {key} ({scenario}) | {measured['reconcile_s']:.2f} s | <= {TARGET_S:.0f} s |")
     print(
         f"| operator_rss_mb (peak) | {measured['operator_rss_mb']:.0f} MB | <= {TARGET_MB:.0f} MB |"
     )
     print(f"| operator idle RSS | {measured['operator_idle_rss_mb']:.0f} MB | |")
-    cpu = f"{measured['operator_cpu_s']:.1f} / {measured['emulator_cpu_s']:.1f}"
-    print(f"| CPU s: operator / emulator+bench | {cpu} | |")
-    print(f"| CRs / API requests | {measured['crs']:.0f} / {measured['api_requests']:.0f} | |")
+    cpu = f"{measured['operator_cpu_reconcile_s']:.1f} / {measured['emulator_cpu_reconcile_s']:.1f}"
+    print(f"| CPU s during the reconcile: operator / emulator+bench | {cpu} | |")
+    print(f"| operator CPU s incl. startup | {measured['operator_cpu_s']:.1f} | |")
+    requests = f"{measured['crs']:.0f} / {measured['api_requests']:.0f}"
+    print(f"| CRs / API requests ({measured['api_requests_per_cr']:.1f} per CR) | {requests} | |")
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import copy
 import datetime
 import json
 import secrets
@@ -64,6 +63,11 @@ CRDS = {
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
 
+def _copy(obj: Any) -> Any:
+    """A private copy of JSON data (a JSON round trip: several times cheaper than deepcopy)."""
+    return json.loads(json.dumps(obj))
+
+
 def _now() -> str:
     return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -71,7 +75,7 @@ def _now() -> str:
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386 JSON merge patch."""
     if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
+        return _copy(patch) if isinstance(patch, list) else patch  # scalars are immutable
     out = dict(target) if isinstance(target, dict) else {}
     for key, value in patch.items():
         if value is None:
@@ -136,7 +140,9 @@ class ApiServer(kmock.KubernetesEmulator):
         return resource in self.resources and "status" in self.resources[resource].subresources
 
     def _emit(self, resource: Any, etype: str, obj: dict[str, Any]) -> None:
-        event = {"type": etype, "object": copy.deepcopy(obj)}
+        # ``obj`` is already a private version (built from a copy, never mutated after this):
+        # the stored state, the event and the response share it, as an API server's cache does.
+        event = {"type": etype, "object": obj}
         self._log.append((self._rv, resource, event))
         self._logs.setdefault(resource, []).append((self._rv, event))
         meta = obj["metadata"]
@@ -158,11 +164,11 @@ class ApiServer(kmock.KubernetesEmulator):
         key = (request.resource, request.namespace, request.name)
         if key not in self.objects or self.objects[key].deleted:
             raise _error(404, "NotFound", f"{request.resource.plural} {request.name!r} not found")
-        return key, copy.deepcopy(self.objects[key].raw)
+        return key, _copy(self.objects[key].raw)
 
     # -- mutations -------------------------------------------------------------------------
     def _create(self, request: rendering.Request) -> tuple[int, dict[str, Any]]:
-        obj = copy.deepcopy(request.data) if isinstance(request.data, dict) else {}
+        obj = _copy(request.data) if isinstance(request.data, dict) else {}
         meta = obj.setdefault("metadata", {})
         namespace = request.namespace or meta.get("namespace")
         if namespace:

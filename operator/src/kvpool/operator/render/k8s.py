@@ -25,9 +25,25 @@ Obj = dict[str, Any]
 _CONFIG_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
+#: Recent config texts by the JSON of their config: PyYAML's representer is Python even with
+#: libyaml, and a reconcile renders the same configs again on every pass over a domain.
+_CONFIG_TEXTS: dict[str, str] = {}
+_CONFIG_TEXTS_MAX = 2048
+
+
 def config_text(config: dict[str, Any]) -> str:
     """The YAML of a config file mounted into pods (keys sorted, stable for its hash)."""
-    return yaml.dump(config, Dumper=_CONFIG_DUMPER, sort_keys=True)
+    try:
+        key = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    except TypeError:  # keys JSON cannot sort (never in the rendered configs): no caching
+        return yaml.dump(config, Dumper=_CONFIG_DUMPER, sort_keys=True)
+    text = _CONFIG_TEXTS.get(key)
+    if text is None:
+        text = yaml.dump(config, Dumper=_CONFIG_DUMPER, sort_keys=True)
+        if len(_CONFIG_TEXTS) >= _CONFIG_TEXTS_MAX:
+            del _CONFIG_TEXTS[next(iter(_CONFIG_TEXTS))]  # the oldest entry
+        _CONFIG_TEXTS[key] = text
+    return text
 
 
 def meta(name: str, namespace: str, labels: dict[str, str], **annotations: str) -> Obj:

@@ -81,8 +81,8 @@ class Runtime:
         return cls(settings, client, metrics, source, reconciler)
 
 
-def _adopt(child: Obj, owner: Obj) -> None:
-    kopf.adopt(child, owner=kopf.Body(cast(kopf.RawBody, owner)))
+def _adopt(children: list[Obj], owner: Obj) -> None:
+    kopf.adopt(children, owner=kopf.Body(cast(kopf.RawBody, owner)))
 
 
 def _raise_if_invalid(result: plan.Plan, resource: str) -> None:
@@ -94,7 +94,7 @@ def _raise_if_invalid(result: plan.Plan, resource: str) -> None:
 
 
 def _index(body: kopf.Body, key: tuple[str, str]) -> dict[tuple[str, str], Obj]:
-    return {key: copy.deepcopy(dict(body))}
+    return {key: plan.json_copy(dict(body))}
 
 
 async def _deregister(rt: Runtime, member: Obj) -> None:
@@ -139,7 +139,7 @@ async def drift_loop(rt: Runtime) -> None:
         await asyncio.sleep(rt.settings.drift_interval)
         for namespace, name in rt.source.pool_keys():
             try:
-                await rt.reconciler.reconcile(namespace, name)
+                await rt.reconciler.reconcile(namespace, name, settle=False)
             except Exception:  # one failing domain must not stop the checks of the others
                 log.exception("drift check of %s/%s failed", namespace, name)
 
