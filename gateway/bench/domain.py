@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import yaml
@@ -143,6 +144,16 @@ class Domain:
             yield f"http://127.0.0.1:{lw.ports['http']}", copy.deepcopy(config)
         finally:
             terminate_all([stack.running.pop(lw.name)], grace_s=5)
+
+
+@contextlib.contextmanager
+def instant_upstreams(urls: list[str], model: str, logdir: Path) -> Iterator[None]:
+    """``upstream.py`` listening on the ports of ``urls`` (the workers', while they are down)."""
+    ports = [str(urlsplit(u).port) for u in urls]
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "upstream.py"),
+           "--ports", ",".join(ports), "--model", model]  # fmt: skip
+    with services.started(cmd, int(ports[-1]), "instant upstreams", logdir / "upstream.log"):
+        yield
 
 
 def sglang_version() -> str:

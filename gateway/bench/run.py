@@ -14,8 +14,10 @@ trace and the same load generator, in one run on this noisy box.
    controller, the operator's render run locally). The agent trace (``agent_trace.py``) is
    replayed through (a) our gateway with the pool's kv-aware policy, (b) our gateway rendered
    with round-robin, (c) sglang-router ``cache_aware``; every worker's LMCache and the
-   controller's index are emptied between arms (``replay.clear_workers``). Hit ratio from the
-   workers' ``usage``, TTFT p50/p90/p99 (first content event of the stream), throughput.
+   controller's index are emptied between arms (``replay.clear_workers``); a full run replays
+   the arms twice, in opposite orders, and pools them (the shared box's load drifts). Hit
+   ratio from the workers' ``usage`` (and the part not pulled from a peer), TTFT p50/p90/p99
+   (first content event of the stream), throughput.
 
 Writes ``--out`` (DESIGN.md's JSON shape), prints a Markdown table and writes a PNG of the
 TTFT distributions next to the JSON.
@@ -70,13 +72,8 @@ def trace_config(quick: bool) -> agent_trace.TraceConfig:
 
 def overhead_phase(dom: domain.Domain, model: str, quick: bool) -> dict[str, Any]:
     """Instant upstreams on the workers' ports; ours and sglang-router in front of them."""
-    ports = [int(u.rsplit(":", 1)[1]) for u in dom.worker_urls]
-    cmd = [sys.executable, str(HERE / "upstream.py"), "--ports", ",".join(map(str, ports)),
-           "--model", model]  # fmt: skip
     with contextlib.ExitStack() as st:
-        st.enter_context(
-            domain.services.started(cmd, ports[-1], "instant upstreams", dom.root / "upstream.log")
-        )
+        st.enter_context(domain.instant_upstreams(dom.worker_urls, model, dom.root))
         ours, _ = st.enter_context(dom.gateway())
         sglang = st.enter_context(domain.sglang_router(dom.worker_urls, dom.root))
         targets = {"direct": dom.worker_urls[0], "kvpool": ours, "sglang": sglang}
@@ -103,6 +100,7 @@ def arm(
         "wall_s": wall,
         "worker_prompt_tokens": delta["prompt_tokens"],
         "p2p_tokens": sum(delta["p2p_chunks"]) * int(dom.gateway_config["chunkSize"]),
+        "max_shares": [max(delta["prompt_tokens"]) / (sum(delta["prompt_tokens"]) or 1)],
     }
 
 
@@ -115,12 +113,13 @@ def merge_passes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             x + y for x, y in zip(a["worker_prompt_tokens"], b["worker_prompt_tokens"], strict=True)
         ],
         "p2p_tokens": a["p2p_tokens"] + b["p2p_tokens"],
+        "max_shares": a["max_shares"] + b["max_shares"],  # per pass: the hot worker may differ
     }
 
 
 def summarize_arm(a: dict[str, Any]) -> dict[str, float]:
     """Hit ratios (all hits, and local ones: not pulled from a peer), TTFT percentiles,
-    throughput and the busiest worker's share of the prompt tokens."""
+    throughput and the busiest worker's share of the prompt tokens (per pass, averaged)."""
     res: list[replay.Result] = a["results"]
     ttft = [r.ttft_s * 1e3 for r in res]
     prompt = sum(r.prompt_tokens for r in res)
@@ -135,7 +134,7 @@ def summarize_arm(a: dict[str, Any]) -> dict[str, float]:
         "ttft_p99_ms": overhead.percentile(ttft, 99),
         "req_per_s": len(res) / a["wall_s"],
         "prompt_tokens_per_s": prompt / a["wall_s"],
-        "max_worker_share": max(a["worker_prompt_tokens"]) / (sum(a["worker_prompt_tokens"]) or 1),
+        "max_worker_share": sum(a["max_shares"]) / len(a["max_shares"]),
         "requests": float(len(res)),
     }
 

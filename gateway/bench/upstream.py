@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import sys
 import time
 
 _HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
@@ -125,7 +124,7 @@ class Upstream:
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    parts = []
+    parts: list[bytes] = []
     while True:
         size = int((await reader.readuntil(b"\r\n")).strip().split(b";")[0], 16)
         if size == 0:
@@ -156,4 +155,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
