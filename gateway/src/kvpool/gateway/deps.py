@@ -23,7 +23,9 @@ from kvpool.gateway.state import GatewayState
 M = TypeVar("M", bound=BaseModel)
 
 
-def get_state(request: Request) -> GatewayState:
+async def get_state(request: Request) -> GatewayState:
+    """The gateway's state. ``async``: FastAPI runs a plain ``def`` dependency on its
+    thread pool, a thread hop (two wake-ups) per request."""
     state: GatewayState = request.app.state.gateway
     return state
 
