@@ -63,6 +63,7 @@ class Script:
     event_delay_s: float = 0.0
     first_byte_delay_s: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
+    raw_bodies: list[bytes] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     memory_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     cancelled: int = 0
@@ -95,7 +96,9 @@ def fake_worker(script: Script) -> FastAPI:
         return {"tokens": ids, "count": len(ids)}
 
     async def complete(request: Request) -> Response:
-        body = await request.json()
+        raw = await request.body()
+        script.raw_bodies.append(raw)
+        body = json.loads(raw)
         script.requests.append(body)
         script.headers.append(dict(request.headers))
         if script.fail_503 > 0:

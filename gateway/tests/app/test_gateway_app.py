@@ -96,6 +96,16 @@ async def test_routes_to_the_instance_the_controller_says_holds_the_prefix() -> 
         assert metric(m, 'kvpool_gateway_predicted_hit_tokens_total{instance="b"}') == 12
 
 
+async def test_an_unchanged_body_is_forwarded_as_the_client_sent_its_bytes() -> None:
+    a = Script("a")
+    async with gateway([a], ControllerScript()) as (client, _):
+        raw = b'{ "max_tokens": 3,  "prompt": "abcdefghijklmnop", "x_extra": [1, 2.50] }'
+        headers = {"content-type": "application/json"}
+        r = await client.post("/v1/completions", content=raw, headers=headers)
+        assert r.status_code == 200, r.text
+        assert a.raw_bodies == [raw]  # not parsed and serialised again on the way
+
+
 async def test_streams_sse_through_and_forwards_the_session() -> None:
     a = Script("a", events=3)
     async with gateway([a], ControllerScript()) as (client, _):

@@ -22,6 +22,10 @@ from kvpool.gateway.state import GatewayState
 
 M = TypeVar("M", bound=BaseModel)
 
+#: Scope key of the body's bytes as the client sent them (set by :func:`read_json`), so an
+#: unchanged body is forwarded without being serialised again.
+RAW_BODY = "kvpool.raw_body"
+
 
 async def get_state(request: Request) -> GatewayState:
     """The gateway's state. ``async``: FastAPI runs a plain ``def`` dependency on its
@@ -94,6 +98,7 @@ async def read_json(request: Request, state: StateDep) -> dict[str, Any]:
         raise bad_request("the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    request.scope[RAW_BODY] = raw
     return data
 
 

@@ -78,11 +78,12 @@ class Proxy:
         body: dict[str, Any],
         headers: dict[str, str],
         stream: bool,
+        raw: bytes | None,
     ) -> tuple[aiohttp.ClientResponse, bytes]:
         """Send; read the first chunk (streamed) or the whole answer; classify failures."""
         inst = attempt.instance
         try:
-            resp = await self.upstream.post(f"{inst.url}{path}", body, headers)
+            resp = await self.upstream.post(f"{inst.url}{path}", body, headers, raw)
         except CONNECT_ERRORS as exc:
             raise _RetryableError("connect", f"{inst.name}: {type(exc).__name__}: {exc}") from exc
         except TIMEOUT_ERRORS as exc:
@@ -109,9 +110,11 @@ class Proxy:
         headers: dict[str, str],
         on_done: Callable[[], None],
         endpoint: str,
+        raw: bytes | None = None,
     ) -> Response:
         """Forward ``body`` to ``path`` on the chosen instance; ``on_done`` runs exactly once
         when the answer has been fully sent (or failed), also for a disconnected client.
+        ``raw``: ``body`` as JSON bytes already (the client's own), sent as they are.
 
         A streamed request is answered as the upstream's chunks arrive; any other with the
         whole answer at once (one write, with Content-Length)."""
@@ -133,7 +136,7 @@ class Proxy:
                     continue
                 t0 = self.clock()
                 try:
-                    resp, first = await self._open(attempt, path, body, headers, stream)
+                    resp, first = await self._open(attempt, path, body, headers, stream, raw)
                 except _RetryableError as exc:
                     inst.breaker.failure(self.clock())
                     self.load.finish(attempt.ticket)

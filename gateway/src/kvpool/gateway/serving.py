@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvpool.gateway.admission import once
+from kvpool.gateway.deps import RAW_BODY
 from kvpool.gateway.errors import GatewayError
 from kvpool.gateway.instances import Instance
 from kvpool.gateway.models import session_of
@@ -103,4 +104,5 @@ async def serve(
 
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     release = once(state.admission.release)
-    return await state.proxy.forward(choose, path, data, headers, release, endpoint)
+    raw = request.scope.get(RAW_BODY)  # the body is forwarded unchanged: its own bytes
+    return await state.proxy.forward(choose, path, data, headers, release, endpoint, raw)

@@ -61,12 +61,17 @@ class Upstream:
         return self._session
 
     async def post(
-        self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+        self,
+        url: str,
+        body: dict[str, Any],
+        headers: dict[str, str] | None = None,
+        raw: bytes | None = None,
     ) -> aiohttp.ClientResponse:
-        """Send ``body`` as JSON; returns once the answer's status and headers arrived."""
+        """Send ``body`` as JSON (``raw``: its bytes already, sent as they are); returns once
+        the answer's status and headers arrived."""
         return await self.session.post(
             url,
-            data=_ENCODE.encode(body),
+            data=_ENCODE.encode(body) if raw is None else raw,
             headers={"content-type": "application/json", **(headers or {})},
         )
 
