@@ -187,7 +187,7 @@ def register(
     kopf.index(GROUP, VERSION, "pdpairs", id="kvpool_pdpairs", registry=registry)(member_index)
 
     async def reconcile_pool(**kw: Any) -> None:
-        result = await rt.reconciler.reconcile(kw["namespace"], kw["name"])
+        result = await rt.reconciler.reconcile_resource(kw["namespace"], kw["name"], kw["body"])
         _raise_if_invalid(result, f"KVCachePool/{kw['name']}")
 
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
@@ -206,7 +206,7 @@ def register(
             await rt.client.patch("KVCachePool", namespace, name, {"status": status}, status=True)
             await rt.client.event(body, "Warning", "DeletionBlocked", message, reconcile.utcnow())
             raise kopf.TemporaryError(message, delay=rt.settings.delete_retry)
-        await rt.reconciler.prune_all(namespace, name)
+        await rt.reconciler.prune_all(namespace, name, body["metadata"].get("uid"))
 
     async def reconcile_member(**kw: Any) -> None:
         namespace, name = kw["namespace"], kw["name"]
@@ -215,7 +215,7 @@ def register(
         previous = (old.get("spec") or {}).get("poolRef", {}).get("name")
         if previous and previous != pool:
             await rt.reconciler.reconcile(namespace, str(previous))
-        result = await rt.reconciler.reconcile(namespace, pool)
+        result = await rt.reconciler.reconcile_resource(namespace, pool, kw["body"])
         _raise_if_invalid(result, f"{kw['body']['kind']}/{name}")
 
     async def delete_member(**kw: Any) -> None:

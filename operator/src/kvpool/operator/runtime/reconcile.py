@@ -11,10 +11,12 @@ at once (a pool and its members) costs about one pass, not one per resource.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +31,21 @@ log = logging.getLogger(__name__)
 #: resources of one ``kubectl apply`` reach the operator within a few tens of milliseconds of
 #: each other; without the wait the first starts a pass alone and the rest need a second one.
 SETTLE_S = 0.2
+
+
+#: Annotation prefixes of kopf's own bookkeeping (progress, last-handled configuration).
+BOOKKEEPING = ("kvpool.io/", "kopf.zalando.org/")
+
+
+def essence(body: Mapping[str, Any]) -> str:
+    """What a pass reads of a CR besides the status it writes itself: identity, generation
+    (the spec), labels (adopt copies them onto children), annotations but kopf's, deletion."""
+    meta = body.get("metadata") or {}
+    notes = {
+        k: v for k, v in (meta.get("annotations") or {}).items() if not k.startswith(BOOKKEEPING)
+    }
+    parts = [meta.get("uid"), meta.get("generation"), meta.get("deletionTimestamp")]
+    return json.dumps([*parts, meta.get("labels") or {}, notes], sort_keys=True, default=str)
 
 
 def utcnow() -> str:
@@ -55,6 +72,10 @@ class Coalescer:
     _locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
     _pending: dict[Key, asyncio.Future[Plan]] = field(default_factory=dict)
 
+    def lock(self, key: Key) -> asyncio.Lock:
+        """The lock a run of ``key`` holds (for work that must not interleave with one)."""
+        return self._locks.setdefault(key, asyncio.Lock())
+
     async def __call__(self, key: Key, settle: bool = True) -> Plan:
         waiting = self._pending.get(key)
         if waiting is not None:
@@ -62,7 +83,7 @@ class Coalescer:
         fut: asyncio.Future[Plan] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._pending[key] = fut
-        lock = self._locks.setdefault(key, asyncio.Lock())
+        lock = self.lock(key)
         try:
             if settle and self.settle > 0:
                 await asyncio.sleep(self.settle)
@@ -104,6 +125,10 @@ class Reconciler:
         self.metrics = metrics
         self.clock = clock
         self.excluded: set[tuple[str, str, str]] = set()  # (ns, kind, name) being finalized
+        #: Per domain, the latest pass: the essence of each CR it read, and its outcome.
+        self._last: dict[Key, tuple[dict[tuple[str, str], str], asyncio.Future[Plan]]] = {}
+        #: Domains whose children were pruned for good: the uid of the pool being deleted.
+        self.pruned: dict[Key, str] = {}
         self._run = Coalescer(self._reconcile, settle)
 
     async def reconcile(self, namespace: str, pool: str, *, settle: bool = True) -> Plan:
@@ -111,8 +136,26 @@ class Reconciler:
         starts it without waiting for more requests (the drift timer: nothing else comes)."""
         return await self._run((namespace, pool), settle)
 
+    async def reconcile_resource(self, namespace: str, pool: str, body: Mapping[str, Any]) -> Plan:
+        """A pass that has read the CR ``body`` as it is now: the domain's latest pass if it
+        read the same essence of it (kopf's finalizer and bookkeeping patches aside), else a
+        new one. A pool and members applied together are mostly all read by one pass, and
+        their handlers share it."""
+        meta = body.get("metadata") or {}
+        last = self._last.get((namespace, pool))
+        if last is not None and meta.get("uid"):
+            seen, outcome = last
+            if seen.get((str(body.get("kind")), str(meta.get("name")))) == essence(body):
+                with contextlib.suppress(Exception):  # that pass failed: run one of our own
+                    return await asyncio.shield(outcome)
+        return await self.reconcile(namespace, pool)
+
     async def observe(self, namespace: str, pool_name: str) -> Observed:
         pool = self.source.pool(namespace, pool_name)
+        if pool is not None and self.pruned.get((namespace, pool_name)) == pool["metadata"].get(
+            "uid"
+        ):
+            pool = None  # being deleted and its children pruned: nothing may come back
         members = [
             m
             for m in self.source.members(namespace, pool_name)
@@ -132,14 +175,28 @@ class Reconciler:
     async def _reconcile(self, key: Key) -> Plan:
         namespace, pool_name = key
         started = time.monotonic()
+        outcome: asyncio.Future[Plan] = asyncio.get_running_loop().create_future()
+        outcome.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             observed = await self.observe(namespace, pool_name)
+            self._last[key] = (
+                {
+                    (str(b["kind"]), str(b["metadata"]["name"])): essence(b)
+                    for b in [*([observed.pool] if observed.pool else []), *observed.members]
+                },
+                outcome,
+            )
             plan = plan_domain(observed, self.clock(), self.adopt)
             await self.apply(plan)
-        except Exception:
-            self.metrics.reconciled("domain", "error", time.monotonic() - started)
-            self.metrics.failed("domain", "reconcile")
+        except BaseException as exc:
+            outcome.set_exception(
+                exc if isinstance(exc, Exception) else RuntimeError("reconcile pass cancelled")
+            )
+            if isinstance(exc, Exception):
+                self.metrics.reconciled("domain", "error", time.monotonic() - started)
+                self.metrics.failed("domain", "reconcile")
             raise
+        outcome.set_result(plan)
         result = "invalid" if plan.invalid else "ok"
         self.metrics.reconciled("domain", result, time.monotonic() - started)
         log.info(
@@ -155,13 +212,19 @@ class Reconciler:
         )
         return plan
 
-    async def prune_all(self, namespace: str, pool_name: str) -> None:
-        """Delete every child of a domain (the pool is going; a real cluster's garbage
-        collector would do the same through ownerReferences)."""
+    async def prune_all(self, namespace: str, pool_name: str, uid: str | None = None) -> None:
+        """Delete every child of a domain (the pool ``uid`` is going; a real cluster's garbage
+        collector would do the same through ownerReferences). Waits for a running pass, and
+        later passes see no pool, so nothing is re-created behind the pruning."""
+        key = (namespace, pool_name)
+        if uid:
+            self.pruned[key] = uid
+        self._last.pop(key, None)
         selector = domain_selector(pool_name)
-        for kind in kube.CHILD_KINDS:
-            for obj in await self.client.list(kind, namespace, selector):
-                await self.client.delete(kind, namespace, obj["metadata"]["name"])
+        async with self._run.lock(key):
+            for kind in kube.CHILD_KINDS:
+                for obj in await self.client.list(kind, namespace, selector):
+                    await self.client.delete(kind, namespace, obj["metadata"]["name"])
 
     async def _create(self, obj: Obj) -> None:
         try:
