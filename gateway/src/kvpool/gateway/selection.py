@@ -59,6 +59,7 @@ class Selector:
     ) -> list[Candidate]:
         now = self.clock()
         hits = hits or {}
+        group_best = self._group_best(hits)
         out: list[Candidate] = []
         for inst in self.instances.available(pool):
             if inst.name in exclude:
@@ -67,11 +68,23 @@ class Selector:
                 hits.get(inst.name), self.pending.hit(inst.name, prompt.hashes, now)
             )
             if inst.role == "peer":  # P2P: a peer's chunks can be pulled (tier remote)
-                peers = self.instances.of_group(inst.group, "peer")
-                best = max((hits[p.name].hit_chunks for p in peers if p.name in hits), default=0)
-                hit = extend_hit(hit, best, P2P_LOCATION)
+                hit = extend_hit(hit, group_best.get(inst.group, 0), P2P_LOCATION)
             out.append(Candidate(inst.name, self.load.load(inst.name), hit))
         return out
+
+    def _group_best(self, hits: dict[str, PrefixHit]) -> dict[str, int]:
+        """Per P2P group, the longest prefix one of its peers holds (one pass over the hits,
+        so building the candidates is O(instances), not O(instances x group size))."""
+        best: dict[str, int] = {}
+        for name, hit in hits.items():
+            inst = self.instances.by_name.get(name)
+            if (
+                inst is not None
+                and inst.role == "peer"
+                and hit.hit_chunks > best.get(inst.group, 0)
+            ):
+                best[inst.group] = hit.hit_chunks
+        return best
 
     async def choose(
         self,
