@@ -287,6 +287,9 @@ async def test_api_keys_and_rate_limit() -> None:
             "/v1/completions", json=PROMPT, headers={"authorization": "Bearer nope"}
         )
         assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        assert (await client.post("/v1/chat/completions", json=chat)).status_code == 401
+        assert (await client.get("/v1/models")).status_code == 401
         ok = {"authorization": "Bearer k2"}
         assert (await client.post("/v1/completions", json=PROMPT, headers=ok)).status_code == 200
         assert (await client.post("/v1/completions", json=PROMPT, headers=ok)).status_code == 200

@@ -27,11 +27,15 @@ M = TypeVar("M", bound=BaseModel)
 RAW_BODY = "kvpool.raw_body"
 
 
+def state_of(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
 async def get_state(request: Request) -> GatewayState:
     """The gateway's state. ``async``: FastAPI runs a plain ``def`` dependency on its
     thread pool, a thread hop (two wake-ups) per request."""
-    state: GatewayState = request.app.state.gateway
-    return state
+    return state_of(request)
 
 
 def _bearer(request: Request) -> str | None:
