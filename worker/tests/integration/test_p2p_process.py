@@ -20,6 +20,7 @@ allocator.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,20 @@ def test_peer_prefix_is_pulled_and_answers_like_a_cold_run(stack: Stack) -> None
     ready = httpx.get(f"{c}/readyz", timeout=5)
     assert ready.status_code == 503 and ready.json()["status"] == "refused", ready.text
     assert "fingerprint" in ready.json()["reason"]
+
+    # 6. SIGTERM on a P2P worker: it exits promptly (LMCache's close no longer hangs on the
+    # NIXL channel's zmq context term) with 0, and deregisters from the controller.
+    def b_registered() -> bool:
+        body = {"instance_id": f"p2p-b~{FINGERPRINT}", "worker_ids": [0]}
+        r = http.post("/query_worker_info", json=body)
+        return r.status_code == 200 and bool(r.json().get("worker_infos"))
+
+    assert b_registered()
+    proc = stack.procs["p2p-b"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0, stack.log("p2p-b")[-3000:]
+    assert "did not close within" not in stack.log("p2p-b")
+    wait_for(lambda: not b_registered(), 1.5)  # DeRegister, not the 4 s heartbeat TTL
     assert "refused instance p2p-c~" in stack.log("p2p-c")
     assert (
         httpx.post(f"{c}/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 503
