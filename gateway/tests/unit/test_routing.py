@@ -199,6 +199,28 @@ def test_pending_prefixes_send_a_burst_to_one_instance() -> None:
     assert pending.hit(picks[0], hashes, 10.0) == 0
 
 
+def test_pending_prefixes_live_while_the_routed_request_prefills() -> None:
+    """A prefill longer than the TTL: until its first byte nothing is stored, so the entry must
+    not lapse (else the next same-prefix request goes to a cold instance that can neither hit
+    nor pull); after the first byte it lives the TTL; a request that failed drops it."""
+    pending = PendingPrefixes(ttl_s=2.0)
+    load = LoadTracker()
+    hashes = list(range(4))
+    slow = load.start("a", 1024, now=0.0)
+    pending.record("a", hashes, 0.0, slow)
+    assert pending.hit("a", hashes, 9.0) == 4  # still prefilling at 9 s, past the 2 s TTL
+    load.first_byte(slow, now=10.0)
+    assert pending.hit("a", hashes, 11.5) == 4
+    assert pending.hit("a", hashes, 12.5) == 0  # TTL after the first byte
+    failed = load.start("b", 1024, now=0.0)
+    pending.record("b", hashes, 0.0, failed)
+    load.finish(failed)
+    assert pending.hit("b", hashes, 0.5) == 0
+    pending.record("c", hashes, 0.0)  # no ticket (a prefetch target): plain TTL
+    assert pending.hit("c", hashes, 1.0) == 4
+    assert pending.hit("c", hashes, 2.5) == 0
+
+
 def test_pending_prefixes_are_bounded() -> None:
     pending = PendingPrefixes(ttl_s=100, max_entries=10)
     pending.record("a", list(range(50)), 0.0)

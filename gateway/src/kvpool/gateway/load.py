@@ -39,6 +39,7 @@ class Ticket:
     started_at: float
     first_byte: bool = False
     done: bool = False
+    first_byte_at: float | None = None
 
 
 class LoadTracker:
@@ -66,6 +67,7 @@ class LoadTracker:
         if ticket.first_byte or ticket.done:
             return ttft
         ticket.first_byte = True
+        ticket.first_byte_at = now
         s = self._stats.setdefault(ticket.instance, _Stats())
         s.queued_prefill_tokens = max(0, s.queued_prefill_tokens - ticket.prefill_tokens)
         s.ttft_s = ttft if s.ttft_s is None else s.ttft_s + TTFT_EWMA_ALPHA * (ttft - s.ttft_s)
@@ -88,41 +90,55 @@ class LoadTracker:
 class PendingPrefixes:
     """chunk hash → (instance, expiry) for prompts routed moments ago; bounded, TTL'd.
 
-    ``max_entries`` bounds memory (oldest dropped first); entries expire after ``ttl_s``, by
-    which time the controller's index has normally caught up.
+    ``max_entries`` bounds memory (oldest dropped first). An entry recorded with the request's
+    load :class:`Ticket` lives while that request is still prefilling (its KV is not stored
+    yet, so no admit event can have reached the index: a prefill longer than the TTL must not
+    let the next same-prefix request go to a cold instance) and for ``ttl_s`` after its first
+    byte, by which time the controller's index has normally caught up; a request that ended
+    without an answer drops its entries. An entry without a ticket (a prefetch target) lives
+    ``ttl_s`` from when it was recorded.
     """
 
     def __init__(self, ttl_s: float = 2.0, max_entries: int = 200_000) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, int], tuple[float, Ticket | None]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def record(self, instance: str, hashes: Sequence[int], now: float) -> None:
-        expiry = now + self.ttl_s
+    def record(
+        self, instance: str, hashes: Sequence[int], now: float, ticket: Ticket | None = None
+    ) -> None:
+        entry = (now + self.ttl_s, ticket)
         for h in hashes:
             key = (instance, h)
             self._entries.pop(key, None)
-            self._entries[key] = expiry
+            self._entries[key] = entry
         self._expire(now)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
+    def _alive(self, entry: tuple[float, Ticket | None], now: float) -> bool:
+        expiry, ticket = entry
+        if ticket is None:
+            return expiry > now
+        if ticket.first_byte_at is not None:
+            return ticket.first_byte_at + self.ttl_s > now
+        return not ticket.done  # still prefilling; ended without an answer: nothing was stored
+
     def _expire(self, now: float) -> None:
         while self._entries:
-            expiry = next(iter(self._entries.values()))
-            if expiry > now:
+            if self._alive(next(iter(self._entries.values())), now):
                 break
             self._entries.popitem(last=False)
 
     def hit(self, instance: str, hashes: Sequence[int], now: float) -> int:
-        """Leading chunks of ``hashes`` recorded for ``instance`` and not expired."""
+        """Leading chunks of ``hashes`` recorded for ``instance`` and still alive."""
         n = 0
         for h in hashes:
-            expiry = self._entries.get((instance, h))
-            if expiry is None or expiry <= now:
+            entry = self._entries.get((instance, h))
+            if entry is None or not self._alive(entry, now):
                 break
             n += 1
         return n

@@ -119,7 +119,9 @@ class Selector:
     def admit(self, inst: Instance, prompt: Prompt, decision: Decision) -> Attempt:
         """Count the request against ``inst`` (uncached prompt tokens are queued prefill)."""
         queued = max(0, prompt.tokens - decision.predicted_hit_tokens)
-        ticket = self.load.start(inst.name, queued, self.clock())
+        now = self.clock()
+        ticket = self.load.start(inst.name, queued, now)
+        self.pending.record(inst.name, prompt.hashes, now, ticket)  # alive until answered + TTL
         self.metrics.inflight.labels(inst.name).set(self.load.load(inst.name).inflight)
         return Attempt(inst, ticket, decision.reason, decision.predicted_hit_tokens)
 
