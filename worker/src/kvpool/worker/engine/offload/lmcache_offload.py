@@ -37,7 +37,7 @@ from kvpool.worker.engine.offload.memory_ops import MemoryOps
 from kvpool.worker.engine.offload.prefetch import PrefetchOps
 from kvpool.worker.engine.offload.registration import RegistrationCheck
 from kvpool.worker.engine.offload.storage_ops import (
-    close_p2p_side_channels,
+    close_nixl_side_channels,
     close_redis,
     deregister_first,
     disk_length_ok,
@@ -430,7 +430,7 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
                 flush_pending(self._storage, max(0.0, deadline_s * 0.5))
                 close_redis(self._storage)
                 deregister_first(self.engine, min(1.0, deadline_s * 0.2))
-                close_p2p_side_channels(self._storage)
+                close_nixl_side_channels(self._storage)
                 LMCacheEngineBuilder.destroy(self.instance_id)
             except Exception:
                 logger.exception("closing LMCache engine %s failed", self.instance_id)

@@ -9,9 +9,9 @@ Mooncake's ``remove``). ``flush_pending`` waits, bounded, for LMCache's asynchro
 remote writes before a close. ``disk_length_ok`` catches a truncated chunk file before
 LMCache's ``readinto`` fills the rest of the buffer with whatever it held before.
 ``close_redis`` closes LMCache's Redis connector without its ``close``, which deadlocks in
-0.5.6 (it waits on its own event loop from inside that loop). ``close_p2p_side_channels``
-closes the NIXL channel's init socket that 0.5.6 never closes, whose ``zmq`` context ``term``
-otherwise blocks a P2P worker's close (and so its SIGTERM exit) forever.
+0.5.6 (it waits on its own event loop from inside that loop). ``close_nixl_side_channels``
+closes the NIXL channels' init sockets that 0.5.6 never closes, whose ``zmq`` context ``term``
+otherwise blocks a P2P or PD worker's close (and so its SIGTERM exit) forever.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from lmcache.utils import CacheEngineKey
 from kvpool.worker.engine.offload.tiers import (
     BACKEND_OF_TIER,
     LOCAL_DISK,
-    P2P_BACKEND,
     REMOTE_BACKEND,
 )
 
@@ -126,34 +125,37 @@ def close_redis(storage: Any, timeout_s: float = 2.0) -> bool:
     return True
 
 
-def close_p2p_side_channels(storage: Any, timeout_s: float = 1.0) -> int:
-    """Close the NIXL channel's init side channels (linger 0) on their event loop; how many.
+def close_nixl_side_channels(storage: Any, timeout_s: float = 1.0) -> int:
+    """Close the NIXL channels' init side channels (linger 0) on their event loops; how many.
 
     LMCache 0.5.6's ``NixlChannel.close`` terms the process-wide ``zmq.asyncio`` context but
-    never closes the REP socket its async init loop listens on (``p2p_init_ports``), and
-    ``term`` waits until every socket of the context is closed: the P2P backend's close, so
-    LMCache's, never returned. Closing it on the loop that awaits it ends that loop (its
-    pending ``recv`` is cancelled); ``running`` is cleared first so the loop does not retry.
+    never closes the REP socket its async init loop listens on (the P2P backend's
+    ``p2p_init_ports``, a PD receiver's ``pd_peer_init_port``), and ``term`` waits until every
+    socket of the context is closed: the backend's close, so LMCache's, never returned.
+    Closing it on the loop that awaits it ends that loop (its pending ``recv`` is cancelled);
+    ``running`` is cleared first so the loop does not retry.
     """
-    backend = storage.storage_backends.get(P2P_BACKEND)
-    channel: Any = getattr(backend, "transfer_channel", None)
-    sockets = list(getattr(channel, "side_channels", None) or [])
-    loop = getattr(channel, "event_loop", None)
-    if channel is None or not sockets or loop is None or not getattr(channel, "async_mode", False):
-        return 0  # nothing of ours to close (a sync channel's thread owns its socket)
-    channel.running = False
+    closed = 0
+    for backend in list(storage.storage_backends.values()):
+        channel: Any = getattr(backend, "transfer_channel", None)
+        sockets = list(getattr(channel, "side_channels", None) or [])
+        loop = getattr(channel, "event_loop", None)
+        if channel is None or not sockets or loop is None or not channel.async_mode:
+            continue  # nothing to close here (a sync channel's thread owns its socket)
+        channel.running = False
 
-    async def _close() -> None:
-        for sock in sockets:
-            sock.close(linger=0)
+        async def _close(sockets: list[Any] = sockets) -> None:
+            for sock in sockets:
+                sock.close(linger=0)
 
-    try:
-        asyncio.run_coroutine_threadsafe(_close(), loop).result(timeout_s)
-    except Exception as e:
-        logger.warning("closing the NIXL side channels failed: %s", e)
-        return 0
-    channel.side_channels = []
-    return len(sockets)
+        try:
+            asyncio.run_coroutine_threadsafe(_close(), loop).result(timeout_s)
+        except Exception as e:
+            logger.warning("closing the NIXL side channels of %s failed: %s", backend, e)
+            continue
+        channel.side_channels = []
+        closed += len(sockets)
+    return closed
 
 
 def disk_length_ok(storage: Any, key: CacheEngineKey) -> bool:

@@ -27,7 +27,6 @@ LOCAL_CPU = "local_cpu"
 LOCAL_DISK = "local_disk"
 BACKEND_OF_TIER = {LOCAL_CPU: "LocalCPUBackend", LOCAL_DISK: "LocalDiskBackend"}
 REMOTE_BACKEND = "RemoteBackend"
-P2P_BACKEND = "P2PBackend"
 _ALIASES = {"cpu": LOCAL_CPU, "ddr": LOCAL_CPU, "disk": LOCAL_DISK, "ssd": LOCAL_DISK}
 
 
