@@ -6,7 +6,7 @@ The test plays the gateway's PD proxy exactly as the worker's HTTP contract says
 "PD"): it binds the ZMQ PULL that LMCache's sender notifies, sends the prefill with
 ``kv_transfer_params.disagg_spec``, waits for ``ProxyNotif(req_id)`` and only then sends the
 decode (the prompt plus ``first_tok``). The decoded tokens equal one instance's, also for a
-prompt shorter than one chunk. On SIGTERM the decoder exits promptly.
+prompt shorter than one chunk. On SIGTERM both exit promptly.
 """
 
 from __future__ import annotations
@@ -90,12 +90,13 @@ def test_decode_after_the_transfer_equals_a_single_instance(stack: Any) -> None:
             json={"prompt": [5, 6], "max_tokens": 1, "kv_transfer_params": {"disagg_spec": spec}},
         )
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "pd_not_sender"
-        # SIGTERM: the decoder exits promptly with 0 (LMCache's close no longer hangs in the
-        # NIXL channel's zmq context term on the receiver's init socket). The sender's close
-        # still hangs elsewhere in LMCache's PD backend (README): not asserted here.
-        stack.procs["pd-decode"].send_signal(signal.SIGTERM)
-        assert stack.procs["pd-decode"].wait(timeout=15) == 0, stack.log("pd-decode")[-3000:]
-        assert "did not close within" not in stack.log("pd-decode")
+        # SIGTERM: both exit promptly with 0 (LMCache's close no longer hangs in a zmq context
+        # term: the receiver's NIXL init socket, the sender's proxy socket; README).
+        for name in ("pd-decode", "pd-prefill"):
+            stack.procs[name].send_signal(signal.SIGTERM)
+        for name in ("pd-decode", "pd-prefill"):
+            assert stack.procs[name].wait(timeout=15) == 0, stack.log(name)[-3000:]
+            assert "did not close within" not in stack.log(name)
     finally:
         notifications.close(linger=0)
         ctx.term()

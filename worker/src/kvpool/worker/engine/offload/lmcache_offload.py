@@ -38,6 +38,7 @@ from kvpool.worker.engine.offload.prefetch import PrefetchOps
 from kvpool.worker.engine.offload.registration import RegistrationCheck
 from kvpool.worker.engine.offload.storage_ops import (
     close_nixl_side_channels,
+    close_pd_sender_sockets,
     close_redis,
     deregister_first,
     disk_length_ok,
@@ -431,6 +432,7 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
                 close_redis(self._storage)
                 deregister_first(self.engine, min(1.0, deadline_s * 0.2))
                 close_nixl_side_channels(self._storage)
+                close_pd_sender_sockets(self._storage)
                 LMCacheEngineBuilder.destroy(self.instance_id)
             except Exception:
                 logger.exception("closing LMCache engine %s failed", self.instance_id)

@@ -158,6 +158,33 @@ def close_nixl_side_channels(storage: Any, timeout_s: float = 1.0) -> int:
     return closed
 
 
+def close_pd_sender_sockets(storage: Any, timeout_s: float = 1.0) -> int:
+    """Close a PD sender's proxy and alloc sockets (linger 0) on its loop; how many.
+
+    LMCache 0.5.6's ``PDBackendAsync.close`` terms the sender's own ``zmq.asyncio`` context
+    but never closes its PUSH socket to the proxy (and closes the alloc sockets with an
+    infinite linger), so ``term`` never returned once the sender had transferred KV.
+    """
+    backend = storage.storage_backends.get("PDBackend")
+    loop = getattr(backend, "_sender_loop", None)
+    if backend is None or loop is None or not loop.is_running():
+        return 0
+    sockets = [getattr(backend, "_async_proxy_socket", None)]
+    sockets += list(getattr(backend, "_async_alloc_sockets", {}).values())
+    live = [sock for sock in sockets if sock is not None]
+
+    async def _close() -> None:
+        for sock in live:
+            sock.close(linger=0)
+
+    try:
+        asyncio.run_coroutine_threadsafe(_close(), loop).result(timeout_s)
+    except Exception as e:
+        logger.warning("closing the PD sender's sockets failed: %s", e)
+        return 0
+    return len(live)
+
+
 def disk_length_ok(storage: Any, key: CacheEngineKey) -> bool:
     """The chunk file of ``key`` has exactly the bytes its shape and dtype need."""
     disk = storage.storage_backends.get(BACKEND_OF_TIER[LOCAL_DISK])
