@@ -19,6 +19,7 @@ import contextlib
 import importlib.util
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -222,3 +223,37 @@ def second_worker(tmp_path: Path) -> Callable[..., dict[str, Any]]:
         return result
 
     return run
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After the results are written, exit past threads LMCache 0.5.6 leaves behind.
+
+    When an in-process engine's close hangs inside LMCache (its NIXL channel's zmq term, a
+    Redis close), LMCache's own non-daemon threads (PinMonitor, the storage manager's event
+    loop) stay alive and the interpreter would wait for them forever; the worker process does
+    the same after its bounded close (``os._exit``). The exit status is pytest's; the threads
+    are named so the leak stays visible.
+    """
+    stuck = [
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and t.is_alive() and not t.daemon
+    ]
+    if not stuck:
+        return
+    print(
+        f"worker tests: exiting past {len(stuck)} non-daemon thread(s) left alive: "
+        + ", ".join(sorted(stuck)),
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(config.stash.get(_EXIT_STATUS, 1))
