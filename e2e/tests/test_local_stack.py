@@ -154,7 +154,14 @@ def test_killed_worker_is_routed_around_and_leaves_the_index(domain: Domain) -> 
     toks = tokens(b, msgs)
     full = len(toks) // CHUNK
     on_b = chat(b, msgs)
-    poll("B's chunks", lambda: prefix_hits(controller, toks).get(me_b, 0) >= full)
+    # a controller restarted by an earlier test learns B's chunks once B has re-registered and
+    # full-synced: within the rendered heartbeat interval, like the recovery test
+    heartbeat_s = float(domain.config("demo-p2p-1")["lmcache_worker_heartbeat_time"])
+    poll(
+        "B's chunks",
+        lambda: prefix_hits(controller, toks).get(me_b, 0) >= full,
+        timeout_s=3 * heartbeat_s + SETTLE_S,
+    )
     assert me_a not in prefix_hits(controller, toks)
     old = domain.kill("demo-p2p-1")
     t0 = time.monotonic()
