@@ -250,3 +250,14 @@ def test_gflags_style_flags_and_kubelet_env_references_are_rewritten(tmp_path: P
     master.argv[2] = "--eviction_ratio=0.5"
     with pytest.raises(ls.StackError, match="eviction_ratio"):
         ls.check_rewrite(loads["demo-mooncake-master"], master, cmap)
+
+
+def test_local_stack_root_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processes run with cwd=root and get config paths under it: a relative --state-dir (the
+    default .kvpool/up) must not turn into paths relative to the wrong directory."""
+    from kvpool.operator.local.stack import LocalStack
+
+    monkeypatch.chdir(tmp_path)
+    stack = LocalStack([], Path(".kvpool/up"))
+    assert stack.root == tmp_path / ".kvpool" / "up"
+    assert stack.root.is_dir()

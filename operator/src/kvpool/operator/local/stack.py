@@ -127,6 +127,8 @@ class LocalStack:
     secrets: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # processes run with cwd=root and are handed paths under it: never relative ones
+        self.root = Path(self.root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.rendered = workloads(self.objects)
         for w in self.rendered.values():  # a cluster's Secrets: a fresh value per key, here
