@@ -100,6 +100,27 @@ def test_evict_pin_unpin_and_stats(
     assert off.metrics()["evicted_chunks"] == 2
 
 
+def test_store_while_lmcache_is_frozen_is_counted_as_skipped_not_stored(
+    make_offload: Callable[..., LMCacheOffload], paged_kv: Callable[..., Any]
+) -> None:
+    """LMCache drops stores during a full sync to the controller (its freeze mode, set by
+    the full-sync sender through ``freeze``): the offload says so in its metrics and
+    counts no stored bytes; once the sync ends the same prompt is stored."""
+    off = make_offload(CPU)
+    tokens, kv = _tokens(768, 6), paged_kv()
+    off.engine.freeze(True)
+    assert off.metrics()["lmcache_frozen"] == 1.0
+    off.store(tokens, kv, torch.arange(768))
+    assert off.lookup(tokens) == 0
+    assert off.metrics()["store_skipped_frozen_tokens"] == 768
+    assert "stored_bytes.local_cpu" not in off.metrics()
+    off.engine.freeze(False)
+    off.store(tokens, kv, torch.arange(768))
+    assert off.lookup(tokens) == 768
+    assert off.metrics()["lmcache_frozen"] == 0.0
+    assert off.metrics()["stored_bytes.local_cpu"] > 0
+
+
 def test_prefetch_reports_ddr_resident_tokens(
     make_offload: Callable[..., LMCacheOffload], paged_kv: Callable[..., Any]
 ) -> None:

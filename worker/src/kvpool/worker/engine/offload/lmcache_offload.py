@@ -259,6 +259,16 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
                 done -= done % self.chunk_size
             if storable <= done:
                 return
+            if self.engine.is_frozen():
+                # LMCache's engine drops every store while a full sync to the controller runs
+                # (its freeze mode, after a controller restart): count it, never as bytes stored
+                self._count("store_skipped_frozen_tokens", storable - done)
+                logger.info(
+                    "store of %d tokens skipped: LMCache is frozen for a full sync to the "
+                    "controller (the prompt is recomputed if it comes back before it ends)",
+                    storable - done,
+                )
+                return
             mask = torch.ones(n, dtype=torch.bool)
             mask[:done] = False
             self.engine.store(
@@ -374,6 +384,7 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
 
     def metrics(self) -> dict[str, float]:
         out = dict(self._metrics)
+        out["lmcache_frozen"] = 1.0 if self.engine.is_frozen() else 0.0
         if self.async_lookups is not None:
             out["pending_prefetches"] = float(self.pending_prefetches())
         h = self._remote_health
