@@ -42,6 +42,7 @@ from kvpool.operator.local.plan import Workload, workloads
 from kvpool.operator.local.stack import LocalStack, free_port
 from kvpool.operator.local.up import cluster_from_state, render_files
 
+P2P = ("demo-p2p-0", "demo-p2p-1")
 CLUSTER_REWRITES = re.compile(
     r"^(argv|env|files)\S*: .* -> .*$|^env\.\S+: (fieldRef status\.podIP|secretKeyRef \S+) -> "
 )
@@ -127,6 +128,7 @@ def test_controller_restart_recovers_the_index_by_full_sync(domain: Domain) -> N
     full = len(toks) // CHUNK
     chat(a, msgs)
     poll("A's chunks", lambda: prefix_hits(domain.url("demo-controller"), toks).get(me) == full)
+    synced_before = {p: _full_syncs(domain, p) for p in P2P}
     old = domain.kill("demo-controller", signal.SIGTERM)
     domain.restarted("demo-controller", old)
     controller = domain.url("demo-controller")
@@ -140,6 +142,30 @@ def test_controller_restart_recovers_the_index_by_full_sync(domain: Domain) -> N
         rf"full sync \S+ of {re.escape(me)}/0 completed", domain.log("demo-controller")
     )
     assert metric(controller, "kvpool_controller_full_syncs_total", '{outcome="completed"}') >= 1
+    # Leave the domain settled for the next test: LMCache drops every store while its full
+    # sync runs (freeze mode, until it has polled the sync status as complete), so wait until
+    # each peer's sync completed at the controller and the worker has left freeze mode.
+    for name in P2P:
+        _wait_settled(domain, name, synced_before[name], 3 * heartbeat_s + SETTLE_S)
+
+
+def _wait_settled(domain: Domain, name: str, syncs_before: int, timeout_s: float) -> None:
+    poll(f"{name}'s full sync", lambda: _full_syncs(domain, name) > syncs_before, timeout_s)
+    poll(f"{name} out of freeze mode", lambda: _frozen(domain.url(name)) == 0.0)
+
+
+def _frozen(worker: str) -> float | None:
+    """The worker's LMCache freeze gauge (None while it is not exported)."""
+    m = re.search(
+        r"^kvpool_engine_lmcache_frozen (\S+)$", httpx.get(f"{worker}/metrics").text, re.M
+    )
+    return float(m.group(1)) if m else None
+
+
+def _full_syncs(domain: Domain, name: str) -> int:
+    """Full syncs of ``name`` the controller's log (all its runs) says completed."""
+    me = re.escape(domain.instance_id(name))
+    return len(re.findall(rf"full sync \S+ of {me}/0 completed", domain.log("demo-controller")))
 
 
 def test_killed_worker_is_routed_around_and_leaves_the_index(domain: Domain) -> None:
