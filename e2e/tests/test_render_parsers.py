@@ -23,6 +23,7 @@ import io
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import types
@@ -275,7 +276,9 @@ def test_rendered_worker_parses_and_passes_its_own_start_checks(
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
                 assert cli.main(["serve", "--print-command", *w.argv[2:]]) == 0
-            assert "vllm" in out.getvalue()
+            vllm = shlex.split(out.getvalue())
+            assert "vllm.entrypoints.openai.api_server" in vllm
+            _assert_vllm_accepts_dtypes(vllm)
             return
         from kvpool.worker.engine.model import model_shape
         from kvpool.worker.engine.offload.config import kv_dtype, load_config
@@ -287,6 +290,24 @@ def test_rendered_worker_parses_and_passes_its_own_start_checks(
         kv_dtype(settings.kv_dtype)  # the reference engine's dtype table
         shape = model_shape(cli.reference_options(settings, env["LMCACHE_CONFIG_FILE"]))
         assert shape.num_layers > 0
+
+
+# What vLLM's argument parser accepts (vLLM cannot be installed here, so its choices are
+# written down): ``--dtype`` is vllm/config/model.py's ModelDType, ``--kv-cache-dtype``
+# vllm/config/cache.py's CacheDType (int8 since vLLM 0.11; vllm-ascend's int8 KV).
+VLLM_DTYPE = {"auto", "half", "float16", "bfloat16", "float", "float32"}
+VLLM_KV_CACHE_DTYPE = {
+    "auto", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla",
+}  # fmt: skip
+
+
+def _assert_vllm_accepts_dtypes(argv: list[str]) -> None:
+    flags = dict(_flags(argv))
+    assert ("--dtype" in flags) != ("--kv-cache-dtype" in flags), argv
+    if "--dtype" in flags:
+        assert flags["--dtype"] in VLLM_DTYPE, flags["--dtype"]
+    else:
+        assert flags["--kv-cache-dtype"] in VLLM_KV_CACHE_DTYPE, flags["--kv-cache-dtype"]
 
 
 def _gateway_cli() -> types.ModuleType:

@@ -105,11 +105,23 @@ def test_pd_without_a_role_is_refused() -> None:
         vllm_command({"enable_pd": True}, CUDA)
 
 
-def test_fp8_kv_goes_to_kv_cache_dtype() -> None:
-    launch = VllmLaunch(model="m", platform="cuda", block_size=16, kv_dtype="fp8_e4m3")
+@pytest.mark.parametrize(
+    ("kv_dtype", "vllm"),
+    [("fp8_e4m3", "fp8_e4m3"), ("float8_e4m3fn", "fp8_e4m3"), ("float8_e5m2", "fp8_e5m2"),
+     ("int8", "int8")],
+)  # fmt: skip
+def test_8_bit_kv_goes_to_kv_cache_dtype_in_vllms_spelling(kv_dtype: str, vllm: str) -> None:
+    """The operator renders torch names (float8_e4m3fn); vLLM's flag only knows fp8_e4m3."""
+    launch = VllmLaunch(model="m", platform="cuda", block_size=16, kv_dtype=kv_dtype)
     argv = vllm_command({}, launch)
-    assert _flag(argv, "--kv-cache-dtype") == "fp8_e4m3"
+    assert _flag(argv, "--kv-cache-dtype") == vllm
     assert "--dtype" not in argv
+
+
+def test_kv_dtype_vllm_does_not_know_is_refused_naming_the_flag() -> None:
+    launch = VllmLaunch(model="m", platform="cuda", block_size=16, kv_dtype="float8_e4m3")
+    with pytest.raises(VllmCommandError, match=r"--kv-dtype 'float8_e4m3'.*fp8_e4m3"):
+        vllm_command({}, launch)
 
 
 def test_tp_port_name_and_extras_are_passed() -> None:

@@ -30,6 +30,10 @@ CUDA_CONNECTOR = "LMCacheConnectorV1"
 
 # vLLM's --dtype values; any other KV dtype (fp8, fp8_e4m3, ...) goes to --kv-cache-dtype.
 MODEL_DTYPES = frozenset({"float16", "bfloat16", "float32", "half", "float", "auto"})
+# The domain names KV dtypes as torch does (what LMCache and the fingerprint use); vLLM's
+# --kv-cache-dtype spells the 8-bit ones its own way. vLLM's own spellings pass unchanged.
+KV_CACHE_DTYPE_OF = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "int8": "int8"}
+VLLM_KV_CACHE_DTYPES = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "int8"})
 
 
 class VllmCommandError(ValueError):
@@ -128,11 +132,25 @@ def vllm_command(config: Mapping[str, Any], launch: VllmLaunch) -> list[str]:
         "--block-size",
         str(launch.block_size),
     ]
-    dtype_flag = "--dtype" if launch.kv_dtype in MODEL_DTYPES else "--kv-cache-dtype"
-    argv += [dtype_flag, launch.kv_dtype]
+    argv += dtype_flags(launch.kv_dtype)
     if launch.max_model_len is not None:
         argv += ["--max-model-len", str(launch.max_model_len)]
     transfer = kv_transfer_config(config, launch)
     argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
     argv += list(launch.extra_args)
     return argv
+
+
+def dtype_flags(kv_dtype: str) -> list[str]:
+    """A 16/32-bit KV dtype is the model's dtype (``--dtype``; the KV cache follows it); an
+    8-bit one is vLLM's ``--kv-cache-dtype`` in vLLM's spelling."""
+    if kv_dtype in MODEL_DTYPES:
+        return ["--dtype", kv_dtype]
+    cache = KV_CACHE_DTYPE_OF.get(kv_dtype, kv_dtype)
+    if cache not in VLLM_KV_CACHE_DTYPES:
+        known = sorted(MODEL_DTYPES | VLLM_KV_CACHE_DTYPES | set(KV_CACHE_DTYPE_OF))
+        raise VllmCommandError(
+            f"--kv-dtype {kv_dtype!r} is neither a vLLM --dtype nor a --kv-cache-dtype; "
+            f"use one of {', '.join(known)}"
+        )
+    return ["--kv-cache-dtype", cache]
