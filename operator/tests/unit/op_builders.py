@@ -6,6 +6,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from kvpool.operator.api import KVCachePool, P2PGroup, PDPair
 
 REPO = Path(__file__).resolve().parents[3]
@@ -78,3 +80,12 @@ def p2p(name: str = "grp", **spec: Any) -> P2PGroup:
 def pd(name: str = "pair", **spec: Any) -> PDPair:
     """The base PD pair (ascend, TP 2, pull-delay) with ``spec`` merged in."""
     return PDPair.model_validate(merge(PD, {"metadata": {"name": name}, "spec": spec}))
+
+
+def demo_docs(namespace: str = "default") -> list[dict[str, Any]]:
+    """examples/cpu-demo.yaml as the API server returns it (uid, generation stamped)."""
+    text = (EXAMPLES / "cpu-demo.yaml").read_text()
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    for i, d in enumerate(docs):
+        d["metadata"].update(namespace=namespace, uid=f"uid-{i}", generation=1)
+    return docs

@@ -3,30 +3,21 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from op_builders import demo_docs
 from pydantic import ValidationError
 
 from kvpool.operator.derive import names
 from kvpool.operator.runtime import admission, drift, plan
 from kvpool.operator.runtime.settings import OperatorSettings
 
-ROOT = Path(__file__).resolve().parents[3]
 Obj = dict[str, Any]
 
 
-def demo() -> list[Obj]:
-    docs = [d for d in yaml.safe_load_all((ROOT / "examples" / "cpu-demo.yaml").read_text()) if d]
-    for i, d in enumerate(docs):
-        d["metadata"].update(namespace="default", uid=f"uid-{i}", generation=1)
-    return docs
-
-
 def planned(children: list[Obj] | None = None, pods: list[Obj] | None = None) -> plan.Plan:
-    pool, *members = demo()
+    pool, *members = demo_docs()
     observed = plan.Observed("default", "demo", pool, members, children or [], pods or [])
     return plan.plan_domain(observed, "2026-01-01T00:00:00Z", lambda child, owner: None)
 
@@ -62,7 +53,7 @@ def test_changed_children_are_patched_and_unrendered_ones_pruned() -> None:
 
 
 def test_invalid_domain_writes_no_child_and_reports_each_resource() -> None:
-    pool, p2p, pd = demo()
+    pool, p2p, pd = demo_docs()
     pool["spec"]["tiers"] = {"disk": {"path": "/kv", "size": "1Gi"}}
     observed = plan.Observed("default", "demo", pool, [p2p, pd], [], [])
     result = plan.plan_domain(observed, "2026-01-01T00:00:00Z", lambda c, o: None)
@@ -102,7 +93,7 @@ def test_drift_names_pods_behind_the_templates() -> None:
 
 
 def test_admission_refuses_only_what_the_change_introduces() -> None:
-    pool, p2p, _ = demo()
+    pool, p2p, _ = demo_docs()
     bad = copy.deepcopy(p2p)
     bad["spec"]["ports"] = {"base": 70000}
     assert admission.review("CREATE", p2p, None, pool, []).allowed

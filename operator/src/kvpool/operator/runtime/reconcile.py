@@ -150,7 +150,9 @@ class Reconciler:
                     return await asyncio.shield(outcome)
         return await self.reconcile(namespace, pool)
 
-    async def observe(self, namespace: str, pool_name: str) -> Observed:
+    def read(self, namespace: str, pool_name: str) -> tuple[Obj | None, list[Obj]]:
+        """The domain's CRs as the indexes hold them now: the pool (None if absent, or being
+        deleted with its children pruned) and the members not being finalized."""
         pool = self.source.pool(namespace, pool_name)
         if pool is not None and self.pruned.get((namespace, pool_name)) == pool["metadata"].get(
             "uid"
@@ -161,6 +163,12 @@ class Reconciler:
             for m in self.source.members(namespace, pool_name)
             if (namespace, m["kind"], m["metadata"]["name"]) not in self.excluded
         ]
+        return pool, members
+
+    async def observe(
+        self, namespace: str, pool_name: str, pool: Obj | None, members: list[Obj]
+    ) -> Observed:
+        """The domain's children and pods as the API server lists them, with the CRs read."""
         selector = domain_selector(pool_name)
         kinds = (*kube.CHILD_KINDS, "Pod") if pool is not None else ()
         lists = await asyncio.gather(*(self.client.list(k, namespace, selector) for k in kinds))
@@ -178,14 +186,17 @@ class Reconciler:
         outcome: asyncio.Future[Plan] = asyncio.get_running_loop().create_future()
         outcome.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            observed = await self.observe(namespace, pool_name)
+            pool, members = self.read(namespace, pool_name)
+            # Recorded before the listing: a handler whose CR this pass has read as it is now
+            # shares the pass, also while the pass waits for the API server's lists.
             self._last[key] = (
                 {
                     (str(b["kind"]), str(b["metadata"]["name"])): essence(b)
-                    for b in [*([observed.pool] if observed.pool else []), *observed.members]
+                    for b in [*([pool] if pool else []), *members]
                 },
                 outcome,
             )
+            observed = await self.observe(namespace, pool_name, pool, members)
             plan = plan_domain(observed, self.clock(), self.adopt)
             await self.apply(plan)
         except BaseException as exc:
