@@ -10,6 +10,9 @@ asserted. There is no peer operator to run side by side; the ratios are against 
 A full run repeats the scenario (a fresh emulator and operator each time) and reports the
 median run; ``--quick`` measures the same 100 x 3 scenario once (metrics.pools and
 metrics.members_per_pool say what was measured; KVPOOL_BENCH_POOLS=N shrinks it for debugging).
+For debugging the operator's side: KVPOOL_BENCH_OPLOG=FILE keeps its log, KVPOOL_BENCH_LOG_LEVEL
+(e.g. ``--log-level=DEBUG``) and KVPOOL_BENCH_LOG_FORMAT=json (names each object) shape it, and
+KVPOOL_BENCH_PROFILE=FILE runs it under cProfile.
 
 Usage: ``python operator/bench/run.py [--quick] --out bench-results/operator.json``
 """
@@ -135,7 +138,7 @@ async def run(pools: int, timeout: float) -> dict[str, float]:
             f"--health-port={health}",
             f"--metrics-port={free_port()}",
             os.environ.get("KVPOOL_BENCH_LOG_LEVEL", "--log-level=WARNING"),
-            "--log-format=text",
+            f"--log-format={os.environ.get('KVPOOL_BENCH_LOG_FORMAT', 'text')}",
         ]
         env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
         errlog = open(os.environ.get("KVPOOL_BENCH_OPLOG", os.devnull), "w")  # noqa: SIM115

@@ -30,7 +30,7 @@ import datetime
 import json
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp.web
@@ -85,23 +85,34 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
-def selector_matches(selector: str, labels: dict[str, str]) -> bool:
-    """Equality-based label selectors, as kubectl and kopf send them."""
+def label_filter(selector: str) -> Callable[[dict[str, str]], bool]:
+    """The labels an equality-based label selector (as kubectl and kopf send it) matches,
+    parsed once: a LIST checks it against every object of its resource."""
+    equal: list[tuple[str, str]] = []
+    unequal: list[tuple[str, str]] = []
+    present: list[str] = []
+    absent: list[str] = []
     for term in filter(None, (t.strip() for t in selector.split(","))):
         if "!=" in term:
             key, value = term.split("!=", 1)
-            if labels.get(key) == value:
-                return False
+            unequal.append((key, value))
         elif "=" in term:
             key, value = term.split("=", 1)
-            if labels.get(key.rstrip("=")) != value.lstrip("="):
-                return False
+            equal.append((key.rstrip("="), value.lstrip("=")))
         elif term.startswith("!"):
-            if term[1:] in labels:
-                return False
-        elif term not in labels:
-            return False
-    return True
+            absent.append(term[1:])
+        else:
+            present.append(term)
+
+    def matches(labels: dict[str, str]) -> bool:
+        return (
+            all(labels.get(k) == v for k, v in equal)
+            and all(labels.get(k) != v for k, v in unequal)
+            and all(k in labels for k in present)
+            and not any(k in labels for k in absent)
+        )
+
+    return matches
 
 
 def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
@@ -299,16 +310,14 @@ class ApiServer(kmock.KubernetesEmulator):
 
     # -- reads -----------------------------------------------------------------------------
     def _matching(self, request: rendering.Request) -> list[dict[str, Any]]:
-        selector = request.params.get("labelSelector", "")
-        live = self._state.get(request.resource, {})
-        return [
-            obj
-            for (namespace, _name), obj in sorted(
-                live.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])
-            )
-            if request.namespace is None or namespace == request.namespace
-            if not selector or selector_matches(selector, obj["metadata"].get("labels") or {})
+        matches = label_filter(request.params.get("labelSelector", ""))
+        found = [
+            (key, obj)
+            for key, obj in self._state.get(request.resource, {}).items()
+            if request.namespace is None or key[0] == request.namespace
+            if matches(obj["metadata"].get("labels") or {})
         ]
+        return [obj for _key, obj in sorted(found, key=lambda kv: (str(kv[0][0]), kv[0][1]))]
 
     async def _serve_fetch(self, request: rendering.Request) -> rendering.Payload:
         obj = self._state.get(request.resource, {}).get((request.namespace, str(request.name)))
@@ -331,7 +340,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
         yield b""
-        selector = request.params.get("labelSelector", "")
+        matches = label_filter(request.params.get("labelSelector", ""))
         since = request.params.get("resourceVersion")
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         watcher = (request.resource, request.namespace, queue)
@@ -351,14 +360,16 @@ class ApiServer(kmock.KubernetesEmulator):
             for event in backlog:
                 queue.put_nowait(event)
             while True:
-                try:
-                    event = await asyncio.wait_for(queue.get(), 0.2)
-                except TimeoutError:
-                    if self._gone(request):
-                        return  # the client hung up: end the stream (aiohttp would wait for it)
-                    continue
-                labels = event["object"].get("metadata", {}).get("labels") or {}
-                if not selector or selector_matches(selector, labels):
+                if not queue.empty():  # no wait_for (a task per event) while events are queued
+                    event = queue.get_nowait()
+                else:
+                    try:
+                        event = await asyncio.wait_for(queue.get(), 0.2)
+                    except TimeoutError:
+                        if self._gone(request):
+                            return  # the client hung up: end the stream (aiohttp would wait)
+                        continue
+                if matches(event["object"].get("metadata", {}).get("labels") or {}):
                     yield event
         finally:
             self._watchers.remove(watcher)
