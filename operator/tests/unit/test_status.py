@@ -60,6 +60,30 @@ def test_invalid_spec_sets_config_ports_and_seed_conditions() -> None:
     assert _by_type(clean)["ConfigValid"] == ("True", "Valid")
 
 
+def test_valid_member_of_a_domain_with_an_invalid_sibling_says_why_nothing_is_applied() -> None:
+    """The operator applies nothing of a domain with an invalid resource: a valid member is
+    not 'InstancesNotReady' and not rolling out; it names the resource that blocks it."""
+    the_pool, group = pool(), p2p()
+    bad = pd(prefill={"engine": {"blockSize": 16}})
+    problems = validate_domain(the_pool, [group, bad])
+    status = member_status(the_pool, group, problems, set(), T0)
+    conds = _by_type(status)
+    assert conds["Ready"] == ("False", "DomainInvalid")
+    assert conds["Progressing"] == ("False", "Blocked")
+    assert conds["Degraded"] == ("True", "DomainInvalid")
+    assert conds["ConfigValid"] == ("True", "Valid")  # its own spec is fine
+    ready = next(c for c in status.conditions if c.type == "Ready")
+    assert ready.message.startswith("nothing of this domain is applied while PDPair/pair is")
+    assert "spec.prefill.engine.blockSize" in ready.message and "fix:" in ready.message
+    assert _by_type(member_status(the_pool, bad, problems, set(), T0))["Ready"] == (
+        "False",
+        "InvalidSpec",
+    )
+    fixed = member_status(the_pool, group, validate_domain(the_pool, [group, pd()]), set(), T1)
+    assert _by_type(fixed)["Ready"] == ("False", "InstancesNotReady")
+    assert _by_type(fixed)["Progressing"] == ("True", "RollingOut")
+
+
 def test_pool_status_reports_seed_endpoints_and_budgets() -> None:
     the_pool = pool(hashSeed="auto")
     status = pool_status(the_pool, [pd(), p2p()], [], {"grp-0"}, T0)

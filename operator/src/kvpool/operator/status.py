@@ -66,25 +66,42 @@ def conditions(
     previous: list[Condition],
     now: str,
     generation: int | None,
+    blocked_by: list[Problem] | None = None,
 ) -> list[Condition]:
-    """The six conditions from the problems of this resource and its observed readiness."""
+    """The six conditions from the problems of this resource and its observed readiness;
+    ``blocked_by``: errors of other resources of the domain (while there are any, nothing of
+    the domain is applied, so a valid resource is not ready and not rolling out either)."""
     errs = errors(problems)
     seed = [p for p in errs if p.rule in _SEED_RULES]
     ports = [p for p in errs if p.rule in _PORT_RULES]
     valid = not errs
+    blocked = errors(blocked_by or []) if valid else []
     # A PD pair with one side scaled to zero runs instances but serves nothing.
     incomplete = [p for p in problems if p.code == "pd.half-scaled"]
-    all_ready = valid and not incomplete and ready >= desired
-    progressing = valid and ready < desired
+    all_ready = valid and not blocked and not incomplete and ready >= desired
+    progressing = valid and not blocked and ready < desired
     if not valid:
         ready_reason, ready_message = "InvalidSpec", _summary(errs)
+    elif blocked:
+        others = sorted({p.path.split(":", 1)[0] for p in blocked})
+        ready_reason = "DomainInvalid"
+        ready_message = (
+            f"nothing of this domain is applied while {', '.join(others)} "
+            f"{'is' if len(others) == 1 else 'are'} invalid (existing children are kept): "
+            + _summary(blocked)
+        )[:4000]
     elif incomplete:
         ready_reason, ready_message = "PairIncomplete", _summary(incomplete)
     else:
         ready_reason, ready_message = "InstancesNotReady", f"{ready}/{desired} instances ready"
-    if desired == 0 and valid:
+    if desired == 0 and valid and not blocked:
         ready_message = "scaled to zero (replicas: 0): no instances run; raise replicas to serve"
-    degraded = not valid or (0 < ready < desired)
+    degraded = not valid or bool(blocked) or (0 < ready < desired)
+    if not valid or blocked:
+        degraded_reason, degraded_message = ready_reason, ready_message
+    else:
+        degraded_reason = "InstancesUnavailable"
+        degraded_message = f"{ready}/{desired} ready" if degraded else ""
 
     def cond(ctype: str, ok: bool, good: str, bad: str, message: str) -> Condition:
         return _condition(ctype, ok, good, bad, message, previous, now, generation)
@@ -101,15 +118,15 @@ def conditions(
             "Progressing",
             progressing,
             "RollingOut",
-            "Stable" if valid else "Blocked",
+            "Stable" if valid and not blocked else "Blocked",
             f"waiting for {desired - ready} instance(s)" if progressing else "",
         ),
         cond(
             "Degraded",
             degraded,
-            "InstancesUnavailable" if valid else "InvalidSpec",
+            degraded_reason,
             "AsExpected",
-            _summary(errs) if not valid else (f"{ready}/{desired} ready" if degraded else ""),
+            degraded_message,
         ),
         cond("ConfigValid", valid, "Valid", "InvalidSpec", _summary(errs)),
         cond("HashSeedConsistent", not seed, "OneSeedPerDomain", "DomainMismatch", _summary(seed)),
@@ -132,7 +149,9 @@ def member_status(
     previous: MemberStatus | None = None,
 ) -> MemberStatus:
     """Status of a P2PGroup / PDPair; ``problems`` are the domain's, filtered to this member."""
-    own = [p for p in problems if p.path.startswith(f"{member.kind}/{member.metadata.name}:")]
+    mine = f"{member.kind}/{member.metadata.name}:"
+    own = [p for p in problems if p.path.startswith(mine)]
+    others = [p for p in problems if not p.path.startswith(mine)]
     fp = pool_fingerprint(pool)
     ns = pool.metadata.namespace
     instances = [
@@ -158,6 +177,7 @@ def member_status(
             previous.conditions if previous else [],
             now,
             member.metadata.generation,
+            blocked_by=others,
         ),
         domain_fingerprint=fp,
         instances_ready=ready,
