@@ -41,7 +41,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "integration"))
-from apiserver import ApiServer  # noqa: E402
+from apiserver import ApiServer, widen_backlog  # noqa: E402
 
 ROOT = HERE.parent.parent
 NAMESPACE = "bench"
@@ -110,7 +110,8 @@ def peak_rss_mb(pid: int) -> float:
 
 
 async def run(pools: int, timeout: float) -> dict[str, float]:
-    async with ApiServer() as server, kmock.Server(server):
+    async with ApiServer() as server, kmock.Server(server) as listener:
+        widen_backlog(listener)
         tmp = Path(tempfile.mkdtemp(prefix="kvpool-op-bench-"))
         kubeconfig = tmp / "kubeconfig"
         kubeconfig.write_text(
