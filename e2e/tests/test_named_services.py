@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 import yaml
@@ -69,3 +70,8 @@ def test_the_mooncake_parts_run_as_rendered_and_the_store_mounts_its_segment(
     poll("the store's segment", lambda: "Mounting segment" in store_log.read_text(), 60)
     poll("the store up", lambda: "started successfully" in store_log.read_text(), 60)
     assert "$(POD_IP)" not in store_log.read_text()
+    # The store's HTTP API listens on the rendered port, which ``up`` mapped to a free local one
+    store = procs["demo-mooncake-store"]
+    assert store["argv"][-1] == f"--port={store['ports']['http']}"
+    exist = httpx.get(f"http://127.0.0.1:{store['ports']['http']}/api/exist/kvpool-none", timeout=5)
+    assert exist.status_code < 500, exist.text

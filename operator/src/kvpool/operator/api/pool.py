@@ -73,6 +73,13 @@ class MooncakeTier(ApiModel):
     )
     master_port: int = Field(default=50051, ge=1, le=65535, description="Default 50051.")
     metadata_port: int = Field(default=8080, ge=1, le=65535, description="Default 8080.")
+    store_port: int = Field(
+        default=8081,
+        ge=1,
+        le=65535,
+        description="HTTP API port of the store process (mooncake_store_service --port). "
+        "Default 8081.",
+    )
     eviction_high_watermark_ratio: float = Field(
         default=0.95, gt=0, le=1, description="Evict when usage reaches this ratio. Default 0.95."
     )

@@ -282,7 +282,7 @@ def mooncake_objects(pool: KVCachePool) -> list[Obj]:
         ),
         (
             store,
-            ["python3", "-m", "mooncake.mooncake_store_service"],
+            ["python3", "-m", "mooncake.mooncake_store_service", f"--port={mc.store_port}"],
             [
                 k8s.field_env("POD_IP", "status.podIP"),
                 k8s.env("MOONCAKE_LOCAL_HOSTNAME", "$(POD_IP)"),
@@ -296,7 +296,7 @@ def mooncake_objects(pool: KVCachePool) -> list[Obj]:
                 k8s.env("MOONCAKE_PROTOCOL", mc.protocol),
                 k8s.env("MOONCAKE_DEVICE", mc.device_name),
             ],
-            {},
+            {"http": mc.store_port},
         ),
     ]
     for name, command, extra_env, ports in parts:
