@@ -338,24 +338,30 @@ async def test_memory_api_fans_out_and_reports_per_instance() -> None:
         assert two.status_code == 400
 
 
-async def test_a_burst_with_one_new_prefix_goes_to_one_instance() -> None:
-    """Before any admit reaches the controller, pending entries keep a burst together."""
+async def test_a_new_prefix_s_followers_go_where_it_was_just_computed() -> None:
+    """Before any admit reaches the controller, the pending entry of the request that just
+    computed a new prefix keeps the requests that follow it on that instance. (A burst that
+    arrives while it still prefills is spread instead: with the default weights the queue it
+    would wait behind costs as much as computing the prefix elsewhere.)"""
     scripts = [Script(n, first_byte_delay_s=0.3) for n in ("a", "b", "c")]
     async with gateway(scripts, ControllerScript()) as (client, _):
-        body = {
-            "prompt": "a brand new shared system prompt, long enough for chunks",
-            "max_tokens": 2,
-        }
+        prompt = " ".join(f"a brand new shared system prompt, part {i}." for i in range(20))
+        body = {"prompt": prompt, "max_tokens": 2}
+        first = await client.post("/v1/completions", json=body)
+        assert first.status_code == 200
         results = await asyncio.gather(
-            *(client.post("/v1/completions", json=body) for _ in range(5))
+            *(client.post("/v1/completions", json=body) for _ in range(4))
         )
         assert {r.status_code for r in results} == {200}
-        assert len({r.headers["x-kvpool-instance"] for r in results}) == 1
+        assert {r.headers["x-kvpool-instance"] for r in results} == {
+            first.headers["x-kvpool-instance"]
+        }
+        assert {r.headers["x-kvpool-route-reason"] for r in results} == {"kv-hit"}
 
 
-def test_a_p2p_peer_counts_its_group_s_chunks_as_remote() -> None:
+def test_a_p2p_peer_counts_its_group_s_chunks_at_the_p2p_tier() -> None:
     """In a P2PGroup a peer can pull what another member holds: the others get that prefix
-    as a remote-tier hit (worth less than holding it, more than nothing)."""
+    as a p2p-tier hit (worth less than holding it, more than nothing)."""
     from kvpool.gateway.routing import PrefixHit, weighted_hit_tokens
     from kvpool.gateway.selection import Prompt
 

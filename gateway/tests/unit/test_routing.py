@@ -52,6 +52,19 @@ def test_tiers_are_classified_fastest_first() -> None:
     assert tier_of("MooncakeStoreBackend") == "remote"
     assert tier_of("RedisBackend") == "remote"
     assert tier_of("PDBackend") == "device"
+    assert tier_of("p2p-peer") == "p2p"  # a P2P group member's credit for its peer's chunks
+
+
+def test_a_peer_that_can_pull_the_prefix_wins_once_the_holder_is_queued() -> None:
+    """Default weights: at equal load the holder (DDR) wins; a peer that would pull the same
+    prefix (p2p, 0.6) wins once the holder's queue outweighs what the pull costs (0.2 x 1024
+    tokens)."""
+    req = RouteRequest(prompt_tokens=4 * CHUNK, chunk_size=CHUNK)
+    holder, peer = cand("a", hit=4), cand("b", hit=4, where="p2p-peer")
+    assert KvAffinityPolicy().choose(req, [holder, peer]).instance == "a"
+    busy = cand("a", hit=4, queued=250)
+    assert KvAffinityPolicy().choose(req, [busy, peer]).instance == "b"
+    assert KvAffinityPolicy().choose(req, [cand("a", hit=4, queued=150), peer]).instance == "a"
 
 
 def test_weighted_hits_credit_each_chunk_once_at_its_fastest_tier() -> None:

@@ -33,7 +33,7 @@ class _Model(BaseModel):
 
 class RoutingWeights(_Model):
     prefix_hit: float = Field(1.0, ge=0)
-    load: float = Field(0.5, ge=0)
+    load: float = Field(1.0, ge=0)
 
 
 class Routing(_Model):

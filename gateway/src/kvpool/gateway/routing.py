@@ -8,8 +8,9 @@ written out in ``gateway/README.md``; the code below is its only implementation.
 
 kv-affinity (default)::
 
-    H_i   = tier-weighted cached prefix tokens of instance i (device 1.0 > DDR 0.8 > disk 0.5 >
-            remote 0.3; pending = routed here moments ago, not yet admitted: 0.8)
+    H_i   = tier-weighted cached prefix tokens of instance i (device 1.0 > DDR 0.8 > P2P peer
+            0.6 > disk 0.5 > remote 0.3; pending = routed here moments ago, not yet admitted:
+            0.8)
     L_i   = (queued prefill tokens_i + chunk_size * in-flight requests_i) * slow_i
     slow_i = recent TTFT of i / median recent TTFT of the pool, clipped to [0.5, 2]
     score = w_prefix * H_i - w_load * L_i           (w_* = the pool's spec.gateway.routing)
@@ -34,6 +35,7 @@ DEFAULT_TIER_WEIGHTS: dict[str, float] = {
     "ddr": 0.8,
     "disk": 0.5,
     "remote": 0.3,
+    "p2p": 0.6,
     "pending": 0.8,
 }
 
@@ -49,6 +51,8 @@ def tier_of(location: str) -> str:
         return "disk"
     if name == "pending":
         return "pending"
+    if name == "p2p-peer":
+        return "p2p"
     return "remote"
 
 
@@ -189,7 +193,7 @@ class KvAffinityPolicy:
     def __init__(
         self,
         prefix_weight: float = 1.0,
-        load_weight: float = 0.5,
+        load_weight: float = 1.0,
         tier_weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS,
         guards: Guards = DEFAULT_GUARDS,
     ) -> None:

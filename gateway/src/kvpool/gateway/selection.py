@@ -21,7 +21,7 @@ from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.proxy import Attempt
 from kvpool.gateway.routing import Candidate, Decision, PrefixHit, Router, RouteRequest
 
-#: Where a P2P peer's chunks count for the others of its group (tier: remote).
+#: Where a P2P peer's chunks count for the others of its group (tier: p2p).
 P2P_LOCATION = "p2p-peer"
 
 
@@ -67,7 +67,7 @@ class Selector:
             hit = merge_pending(
                 hits.get(inst.name), self.pending.hit(inst.name, prompt.hashes, now)
             )
-            if inst.role == "peer":  # P2P: a peer's chunks can be pulled (tier remote)
+            if inst.role == "peer":  # P2P: a peer's chunks can be pulled (tier p2p)
                 hit = extend_hit(hit, group_best.get(inst.group, 0), P2P_LOCATION)
             out.append(Candidate(inst.name, self.load.load(inst.name), hit))
         return out

@@ -179,7 +179,11 @@ class RoutingWeights(ApiModel):
     load x (queued prefill tokens + chunkSize x in-flight requests), see gateway/README.md."""
 
     prefix_hit: float = Field(default=1.0, ge=0, description="Default 1.0.")
-    load: float = Field(default=0.5, ge=0, description="Default 0.5.")
+    load: float = Field(
+        default=1.0,
+        ge=0,
+        description="Default 1.0: a queued token delays a request as much as an uncached one.",
+    )
 
 
 class Routing(ApiModel):
