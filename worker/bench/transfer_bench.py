@@ -165,11 +165,18 @@ def role_pd(d: Path, side: str, ports: dict[str, int], ntok: int, repeats: int) 
             "bench-pd-recv",
         )  # fmt: skip
         (d / "pd.ready").write_text("1")
-        got = []
-        for _ in range(repeats + 1):
+        kv, slots = _paged(ntok, 3)
+        got, loaded = [], []
+        for i in range(repeats + 1):
             got.append(msgspec.msgpack.decode(pull.recv()))
             (d / f"pd.notified.{len(got)}").write_text(str(time.time()))
-        (d / "pd.recv.json").write_text(json.dumps(got))
+            # consume it as a decoder does: LMCache frees a receiver's PD buffer only when the
+            # KV is retrieved (remove_after_retrieve); unread transfers fill the buffer and the
+            # sender's next allocation waits forever (the 8th of 8192 tokens in 256 MiB)
+            tokens = _tokens(ntok, seed=100 + i)
+            loaded.append(off.retrieve(tokens, off.lookup(tokens), kv, slots))
+            (d / f"pd.consumed.{len(got)}").write_text("1")
+        (d / "pd.recv.json").write_text(json.dumps({"notifications": got, "loaded": loaded}))
         pull.close(linger=0)
         ctx.term()
         off.close(5)
@@ -190,6 +197,7 @@ def role_pd(d: Path, side: str, ports: dict[str, int], ntok: int, repeats: int) 
         off.store(_tokens(ntok, seed=100 + i), kv, slots, kv_transfer=spec)
         done = float(_wait_file(d / f"pd.notified.{i + 1}", 120))
         times.append(done - t0)
+        _wait_file(d / f"pd.consumed.{i + 1}", 120)  # the decoder's retrieve, not timed
     (d / "pd.json").write_text(json.dumps({"seconds": times[1:]}))
     off.close(5)
 
@@ -269,6 +277,9 @@ def measure(tmp: Path, *, tokens: int, repeats: int) -> dict[str, Any]:
     raw_s = json.loads((d / "raw.json").read_text())["seconds"]
     p2p_r = json.loads((d / "p2p.json").read_text())
     pd_s = json.loads((d / "pd.json").read_text())["seconds"]
+    pd_loaded = json.loads((d / "pd.recv.json").read_text())["loaded"]
+    if min(pd_loaded) < tokens - CHUNK:  # the receiver skips the prompt's last token
+        raise RuntimeError(f"PD receiver loaded {pd_loaded} tokens, expected ~{tokens}")
     if (d / "raw.verified").read_text() != "1":
         raise RuntimeError("raw NIXL: the destination buffer does not hold the source bytes")
     if min(p2p_r["hit_tokens"]) < tokens:
