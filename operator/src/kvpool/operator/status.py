@@ -17,7 +17,7 @@ from kvpool.operator.derive.defaults import domain_defaults, member_defaults
 from kvpool.operator.derive.instances import instance_url, member_instances
 from kvpool.operator.derive.sizing import member_memory_budget
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
-from kvpool.operator.validation.problems import Problem, errors, warnings
+from kvpool.operator.validation.problems import Problem, errors, key, warnings
 from kvpool.protocol.domain import instance_id
 
 _SEED_RULES = {1}
@@ -83,7 +83,7 @@ def conditions(
     if not valid:
         ready_reason, ready_message = "InvalidSpec", _summary(errs)
     elif blocked:
-        others = sorted({p.path.split(":", 1)[0] for p in blocked})
+        others = sorted({p.resource for p in blocked})
         ready_reason = "DomainInvalid"
         ready_message = (
             f"nothing of this domain is applied while {', '.join(others)} "
@@ -149,9 +149,9 @@ def member_status(
     previous: MemberStatus | None = None,
 ) -> MemberStatus:
     """Status of a P2PGroup / PDPair; ``problems`` are the domain's, filtered to this member."""
-    mine = f"{member.kind}/{member.metadata.name}:"
-    own = [p for p in problems if p.path.startswith(mine)]
-    others = [p for p in problems if not p.path.startswith(mine)]
+    mine = key(member)
+    own = [p for p in problems if p.resource == mine]
+    others = [p for p in problems if p.resource != mine]
     fp = pool_fingerprint(pool)
     ns = pool.metadata.namespace
     instances = [

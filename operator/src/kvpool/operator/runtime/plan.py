@@ -313,7 +313,7 @@ def plan_domain(observed: Observed, now: str, adopt: Adopt) -> Plan:
 def _by_resource(problems: list[Problem]) -> dict[str, list[Problem]]:
     out: dict[str, list[Problem]] = {}
     for p in problems:
-        out.setdefault(p.path.split(":", 1)[0], []).append(p)
+        out.setdefault(p.resource, []).append(p)
     return out
 
 

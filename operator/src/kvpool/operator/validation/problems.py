@@ -46,6 +46,11 @@ class Problem:
     code: str = ""
     patch: tuple[Patch, ...] = ()
 
+    @property
+    def resource(self) -> str:
+        """``Kind/name`` of the resource the problem is on (the part of ``path`` before ':')."""
+        return self.path.split(":", 1)[0]
+
     def __str__(self) -> str:
         tag = f"rule {self.rule}" if self.rule is not None else "config"
         return f"{self.severity.upper()} [{tag}] {self.path}: {self.message}\n    fix: {self.fix}"
