@@ -35,6 +35,7 @@ from upstack import (
     poll,
     prefix_hits,
     registered,
+    sample,
     tokens,
 )
 
@@ -151,15 +152,8 @@ def test_controller_restart_recovers_the_index_by_full_sync(domain: Domain) -> N
 
 def _wait_settled(domain: Domain, name: str, syncs_before: int, timeout_s: float) -> None:
     poll(f"{name}'s full sync", lambda: _full_syncs(domain, name) > syncs_before, timeout_s)
-    poll(f"{name} out of freeze mode", lambda: _frozen(domain.url(name)) == 0.0)
-
-
-def _frozen(worker: str) -> float | None:
-    """The worker's LMCache freeze gauge (None while it is not exported)."""
-    m = re.search(
-        r"^kvpool_engine_lmcache_frozen (\S+)$", httpx.get(f"{worker}/metrics").text, re.M
-    )
-    return float(m.group(1)) if m else None
+    frozen = "kvpool_engine_lmcache_frozen"  # a missing gauge is not "0"
+    poll(f"{name} out of freeze mode", lambda: sample(domain.url(name), frozen) == 0.0)
 
 
 def _full_syncs(domain: Domain, name: str) -> int:

@@ -133,10 +133,17 @@ def prefix_hits(controller: str, toks: list[int]) -> dict[str, int]:
     return {inst: int(v["hit_chunks"]) for inst, v in out["instances"].items()}
 
 
-def metric(controller: str, name: str, labels: str = "") -> float:
+def sample(url: str, name: str, labels: str = "") -> float | None:
+    """One sample of ``url``'s /metrics (None while it is not exported)."""
     pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", re.M)
-    m = pattern.search(httpx.get(f"{controller}/metrics", timeout=10).text)
-    return float(m.group(1)) if m else 0.0
+    m = pattern.search(httpx.get(f"{url}/metrics", timeout=10).text)
+    return float(m.group(1)) if m else None
+
+
+def metric(controller: str, name: str, labels: str = "") -> float:
+    """A counter of the controller's /metrics (0 before its first increment)."""
+    value = sample(controller, name, labels)
+    return 0.0 if value is None else value
 
 
 def registered(controller: str, instance_id: str) -> bool:
