@@ -38,6 +38,8 @@ DEFAULT_TIER_WEIGHTS: dict[str, float] = {
     "p2p": 0.6,
     "pending": 0.8,
 }
+#: The location a P2P group member is credited its peers' chunks under (tier: p2p).
+P2P_LOCATION = "p2p-peer"
 
 
 def tier_of(location: str) -> str:
@@ -51,7 +53,7 @@ def tier_of(location: str) -> str:
         return "disk"
     if name == "pending":
         return "pending"
-    if name == "p2p-peer":
+    if name == P2P_LOCATION:
         return "p2p"
     return "remote"
 

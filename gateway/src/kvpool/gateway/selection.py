@@ -19,10 +19,14 @@ from kvpool.gateway.instances import Instance, InstanceSet
 from kvpool.gateway.load import LoadTracker, PendingPrefixes, extend_hit, merge_pending
 from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.proxy import Attempt
-from kvpool.gateway.routing import Candidate, Decision, PrefixHit, Router, RouteRequest
-
-#: Where a P2P peer's chunks count for the others of its group (tier: p2p).
-P2P_LOCATION = "p2p-peer"
+from kvpool.gateway.routing import (
+    P2P_LOCATION,
+    Candidate,
+    Decision,
+    PrefixHit,
+    Router,
+    RouteRequest,
+)
 
 
 @dataclass(frozen=True)
