@@ -119,9 +119,9 @@ def _summary(frames: list[tuple[str, bytes, int]], spent: dict[str, float]) -> d
 
 def side_ours(params: dict[str, Any]) -> dict[str, float]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from kvpool.controller import protocol as p
     from kvpool.controller.service import ControllerService
     from kvpool.controller.settings import ControllerSettings
+    from kvpool.protocol import lmcache_wire as p
 
     frames = _frames(**params)
     svc = ControllerService(ControllerSettings(monitor_ports={"pull": 0}))

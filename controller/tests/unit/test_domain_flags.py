@@ -15,11 +15,11 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from kvpool.controller import protocol as p
 from kvpool.controller.api import create_app
 from kvpool.controller.main import settings_from_args
 from kvpool.controller.server import ControllerServer
 from kvpool.controller.settings import ControllerSettings
+from kvpool.protocol import lmcache_wire as p
 from kvpool.protocol.hashing import HashConfig, chunk_hashes
 
 RENDERED = [

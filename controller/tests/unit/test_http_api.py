@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from kvpool.controller import protocol as p
 from kvpool.controller.api import create_app
 from kvpool.controller.server import ControllerServer
 from kvpool.controller.settings import ControllerSettings
+from kvpool.protocol import lmcache_wire as p
 
 
 @pytest.fixture

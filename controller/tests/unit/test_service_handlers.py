@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.controller import protocol as p
 from kvpool.controller.service import ControllerService
 from kvpool.controller.settings import ControllerSettings
+from kvpool.protocol import lmcache_wire as p
 from kvpool.protocol.deltas import DeltaBatch, DeltaOp, IndexReplica
 
 FP = "0123456789ab"

@@ -19,6 +19,7 @@ from fakes import ControllerScript, Script, bound_socket, fake_controller, fake_
 
 from kvpool.gateway.app import build_app
 from kvpool.gateway.config import GatewayEnv, parse_config
+from kvpool.gateway.routing import P2P_LOCATION
 from kvpool.gateway.state import build_state
 
 pytestmark = pytest.mark.timeout(60)
@@ -381,7 +382,7 @@ def test_a_p2p_peer_counts_its_group_s_chunks_at_the_p2p_tier() -> None:
         c.name: c for c in state.selector.candidates(state.instances.peers(), prompt, hits, set())
     }
     assert cands["a"].hit == hits["a"]
-    assert cands["b"].hit == PrefixHit(4, {"p2p-peer": 4})
+    assert cands["b"].hit == PrefixHit(4, {P2P_LOCATION: 4})
     a_w, b_w = (weighted_hit_tokens(cands[n].hit, CHUNK, 16) for n in ("a", "b"))
     assert a_w > b_w > 0
 

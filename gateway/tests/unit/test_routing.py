@@ -1,4 +1,4 @@
-"""The pure routing core: each policy, the kv-affinity score and its guards, the fallback.
+"""The pure routing core: each policy, the kv-aware score and its guards, the fallback.
 
 No I/O and no clock: candidates are built by hand, so every expectation follows from the
 formula in gateway/README.md.
@@ -10,12 +10,15 @@ import pytest
 
 from kvpool.gateway.load import LoadTracker, PendingPrefixes, merge_pending
 from kvpool.gateway.routing import (
+    P2P_LOCATION,
+    POLICIES,
     Candidate,
     Guards,
     InstanceLoad,
-    KvAffinityPolicy,
+    KvAwarePolicy,
     LeastLoadPolicy,
     NoCandidateError,
+    PolicySettings,
     PrefixHit,
     RoundRobinPolicy,
     Router,
@@ -26,6 +29,7 @@ from kvpool.gateway.routing import (
     tier_of,
     weighted_hit_tokens,
 )
+from kvpool.protocol.policies import ROUTING_POLICIES
 
 CHUNK = 256
 REQ = RouteRequest(prompt_tokens=1000, chunk_size=CHUNK)
@@ -51,8 +55,10 @@ def test_tiers_are_classified_fastest_first() -> None:
     assert tier_of("LocalDiskBackend") == "disk"
     assert tier_of("MooncakeStoreBackend") == "remote"
     assert tier_of("RedisBackend") == "remote"
-    assert tier_of("PDBackend") == "device"
-    assert tier_of("p2p-peer") == "p2p"  # a P2P group member's credit for its peer's chunks
+    assert tier_of("PDBackend") == "ddr"  # a PD receive buffer in host memory
+    assert tier_of("P2PBackend") == "p2p"
+    assert tier_of("pending") == "pending"
+    assert tier_of(P2P_LOCATION) == "p2p"  # a P2P group member's credit for its peer's chunks
 
 
 def test_a_peer_that_can_pull_the_prefix_wins_once_the_holder_is_queued() -> None:
@@ -60,11 +66,11 @@ def test_a_peer_that_can_pull_the_prefix_wins_once_the_holder_is_queued() -> Non
     prefix (p2p, 0.6) wins once the holder's queue outweighs what the pull costs (0.2 x 1024
     tokens)."""
     req = RouteRequest(prompt_tokens=4 * CHUNK, chunk_size=CHUNK)
-    holder, peer = cand("a", hit=4), cand("b", hit=4, where="p2p-peer")
-    assert KvAffinityPolicy().choose(req, [holder, peer]).instance == "a"
+    holder, peer = cand("a", hit=4), cand("b", hit=4, where=P2P_LOCATION)
+    assert KvAwarePolicy().choose(req, [holder, peer]).instance == "a"
     busy = cand("a", hit=4, queued=250)
-    assert KvAffinityPolicy().choose(req, [busy, peer]).instance == "b"
-    assert KvAffinityPolicy().choose(req, [cand("a", hit=4, queued=150), peer]).instance == "a"
+    assert KvAwarePolicy().choose(req, [busy, peer]).instance == "b"
+    assert KvAwarePolicy().choose(req, [cand("a", hit=4, queued=150), peer]).instance == "a"
 
 
 def test_weighted_hits_credit_each_chunk_once_at_its_fastest_tier() -> None:
@@ -79,12 +85,12 @@ def test_weighted_hits_credit_each_chunk_once_at_its_fastest_tier() -> None:
 
 
 def test_kv_affinity_prefers_the_longest_cached_prefix() -> None:
-    d = KvAffinityPolicy().choose(REQ, [cand("a", hit=1), cand("b", hit=3), cand("c")])
+    d = KvAwarePolicy().choose(REQ, [cand("a", hit=1), cand("b", hit=3), cand("c")])
     assert (d.instance, d.reason, d.predicted_hit_tokens) == ("b", "kv-hit", 768)
 
 
 def test_kv_affinity_faster_tier_wins_at_equal_length() -> None:
-    d = KvAffinityPolicy().choose(
+    d = KvAwarePolicy().choose(
         REQ, [cand("a", hit=2, where="LocalDiskBackend"), cand("b", hit=2, where="LocalCPUBackend")]
     )
     assert d.instance == "b"
@@ -92,12 +98,12 @@ def test_kv_affinity_faster_tier_wins_at_equal_length() -> None:
 
 def test_load_outweighs_a_small_hit() -> None:
     # b holds one chunk (256 x 0.8 = 204.8) but has 2 requests in flight (0.5 x 512 = 256).
-    d = KvAffinityPolicy().choose(REQ, [cand("a"), cand("b", hit=1, inflight=2)])
+    d = KvAwarePolicy().choose(REQ, [cand("a"), cand("b", hit=1, inflight=2)])
     assert (d.instance, d.reason) == ("a", "kv-miss-least-load")
 
 
 def test_queued_prefill_tokens_count_as_load() -> None:
-    d = KvAffinityPolicy().choose(REQ, [cand("a", queued=4000), cand("b", queued=100)])
+    d = KvAwarePolicy().choose(REQ, [cand("a", queued=4000), cand("b", queued=100)])
     assert d.instance == "b"
 
 
@@ -108,18 +114,18 @@ def test_slow_instance_looks_more_loaded() -> None:
         cand("b", queued=1000, ttft=1.0),
         cand("c", queued=1000, ttft=1.0),
     )
-    assert KvAffinityPolicy().choose(REQ, [a, b, c]).instance in ("b", "c")
+    assert KvAwarePolicy().choose(REQ, [a, b, c]).instance in ("b", "c")
 
 
 def test_weights_come_from_the_pool() -> None:
     cands = [cand("a", hit=3, inflight=2), cand("b")]
-    assert KvAffinityPolicy(prefix_weight=1.0, load_weight=0.5).choose(REQ, cands).instance == "a"
-    assert KvAffinityPolicy(prefix_weight=0.1, load_weight=1.0).choose(REQ, cands).instance == "b"
+    assert KvAwarePolicy(prefix_weight=1.0, load_weight=0.5).choose(REQ, cands).instance == "a"
+    assert KvAwarePolicy(prefix_weight=0.1, load_weight=1.0).choose(REQ, cands).instance == "b"
 
 
 def test_bounded_imbalance_stops_a_hot_prefix_collapsing_the_pool() -> None:
     # a holds the whole prompt but already carries 9 requests; the others are idle.
-    pol = KvAffinityPolicy(prefix_weight=10.0, load_weight=0.01, guards=Guards(imbalance_abs=8))
+    pol = KvAwarePolicy(prefix_weight=10.0, load_weight=0.01, guards=Guards(imbalance_abs=8))
     d = pol.choose(REQ, [cand("a", hit=4, inflight=9), cand("b"), cand("c")])
     assert d.instance in ("b", "c") and d.reason == "imbalance-guard"
     # within the bound the hit wins
@@ -131,7 +137,7 @@ def test_ties_follow_the_session_hash() -> None:
     names = ["a", "b", "c", "d"]
     for session in ("s1", "s2", "s3"):
         req = RouteRequest(100, CHUNK, session)
-        d = KvAffinityPolicy().choose(req, [cand(n) for n in names])
+        d = KvAwarePolicy().choose(req, [cand(n) for n in names])
         assert d.instance == rendezvous_rank(session, names)[0]
 
 
@@ -169,16 +175,23 @@ def test_least_load_and_round_robin() -> None:
     assert picks == ["a", "b", "c", "a", "b", "c"]
 
 
+def test_the_registry_has_one_class_per_config_name() -> None:
+    """The names the operator's API and gateway.yaml accept are exactly the registered ones."""
+    assert sorted(POLICIES) == sorted(ROUTING_POLICIES)
+    for name in ROUTING_POLICIES:
+        assert make_policy(name).name == name
+
+
 def test_every_policy_refuses_an_empty_pool() -> None:
-    for name in ("kv-aware", "session", "least-load", "round-robin"):
+    for name in ROUTING_POLICIES:
         with pytest.raises(NoCandidateError):
-            make_policy(name, 1.0, 0.5).choose(REQ, [])
+            make_policy(name, PolicySettings(1.0, 0.5)).choose(REQ, [])
     with pytest.raises(ValueError, match="unknown routing policy"):
-        make_policy("random", 1.0, 0.5)
+        make_policy("random", PolicySettings(1.0, 0.5))
 
 
 def test_router_falls_back_when_the_index_is_down() -> None:
-    router = Router(KvAffinityPolicy())
+    router = Router(KvAwarePolicy())
     cands = [cand("a", hit=4), cand("b")]
     assert router.route(REQ, cands, index_ok=True).reason == "kv-hit"
     down = router.route(REQ, [cand("a", inflight=1), cand("b")], index_ok=False)
@@ -195,7 +208,7 @@ def test_pending_prefixes_send_a_burst_to_one_instance() -> None:
     pending = PendingPrefixes(ttl_s=2.0)
     load = LoadTracker()
     hashes = list(range(8))  # a 2048-token prompt nobody holds yet
-    policy = KvAffinityPolicy()
+    policy = KvAwarePolicy()
     picks = []
     for i in range(6):
         now = 0.1 * i

@@ -18,10 +18,10 @@ from apiserver import ApiServer
 from harness import Client, OperatorThread, eventually, example
 from test_reconcile import CMS, DEPLOY, EVENTS, P2PGS, POOLS, STS, condition, observed, one
 
-from kvpool.controller import protocol as p
 from kvpool.controller.api import create_app
 from kvpool.controller.server import ControllerServer
 from kvpool.controller.settings import ControllerSettings
+from kvpool.protocol import lmcache_wire as p
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, model_validator
 
-from kvpool.controller import protocol as p
 from kvpool.controller.orchestration import handle_orchestration
 from kvpool.controller.server import ControllerServer
+from kvpool.protocol import lmcache_wire as p
 
 
 class QueryInstRequest(BaseModel):

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvpool.controller import protocol
+from kvpool.protocol import lmcache_wire as protocol
 
 logger = logging.getLogger(__name__)
 

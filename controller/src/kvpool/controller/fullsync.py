@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvpool.controller import protocol as p
 from kvpool.controller.registry import SyncState
+from kvpool.protocol import lmcache_wire as p
 from kvpool.protocol.deltas import DeltaOp
 
 if TYPE_CHECKING:

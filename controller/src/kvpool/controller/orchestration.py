@@ -15,9 +15,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.controller import protocol as p
 from kvpool.controller.control import ControlError
 from kvpool.controller.service import ControllerService
+from kvpool.protocol import lmcache_wire as p
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvpool.controller import protocol as p
 from kvpool.controller.control import ControlPlane
 from kvpool.controller.orchestration import handle_orchestration
 from kvpool.controller.persistence import RedisStore
@@ -29,6 +28,7 @@ from kvpool.controller.registry import WorkerRecord
 from kvpool.controller.service import ControllerService
 from kvpool.controller.settings import ControllerSettings
 from kvpool.protocol import deltas as dl
+from kvpool.protocol import lmcache_wire as p
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.controller import fullsync
-from kvpool.controller import protocol as p
 from kvpool.controller.control import ControlError, ControlPlane
 from kvpool.controller.metrics import Metrics
 from kvpool.controller.registry import Registry, WorkerRecord, check_fingerprint
 from kvpool.controller.settings import ControllerSettings
+from kvpool.protocol import lmcache_wire as p
 from kvpool.protocol.deltas import Delta, DeltaOp, LocationEntry, Snapshot, WorkerEntry
 from kvpool.protocol.hashing import chunk_hashes
 from kvpool.protocol.index import ChunkIndex, tier_rank

@@ -19,6 +19,7 @@ from pydantic.alias_generators import to_camel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvpool.protocol.hashing import HashAlgorithm, HashConfig, HashConfigError
+from kvpool.protocol.policies import RoutingPolicyName
 
 
 class ConfigError(Exception):
@@ -37,7 +38,7 @@ class RoutingWeights(_Model):
 
 
 class Routing(_Model):
-    policy: Literal["kv-aware", "session", "least-load", "round-robin"] = "kv-aware"
+    policy: RoutingPolicyName = "kv-aware"
     weights: RoutingWeights = RoutingWeights()
 
 

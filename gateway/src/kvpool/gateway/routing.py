@@ -1,16 +1,18 @@
 """The routing core: which instance serves a request, and why. Pure: no I/O, no clock.
 
-Why this module exists: every policy the gateway offers (kv-affinity, session, least-load,
-round-robin) is one small class behind one interface, :class:`Policy`, so the serving glue
-only builds :class:`Candidate` rows (what each instance holds of this prompt and how loaded it
-is) and asks for a :class:`Decision`. The formula of the kv-affinity score and its guards is
+Why this module exists: every policy the gateway offers (kv-aware, session, least-load,
+round-robin) is one small class behind one interface, :class:`Policy`, registered under its
+config name (``spec.gateway.routing.policy``; the names are :mod:`kvpool.protocol.policies`), so
+the serving glue and the fleet simulator only build :class:`Candidate` rows (what each instance
+holds of this prompt and how loaded it is) and ask for a :class:`Decision`. Adding a policy is
+one class with the ``@register`` decorator. The formula of the kv-aware score and its guards is
 written out in ``gateway/README.md``; the code below is its only implementation.
 
-kv-affinity (default)::
+kv-aware (default)::
 
-    H_i   = tier-weighted cached prefix tokens of instance i (device 1.0 > DDR 0.8 > P2P peer
-            0.6 > disk 0.5 > remote 0.3; pending = routed here moments ago, not yet admitted:
-            0.8)
+    H_i   = tier-weighted cached prefix tokens of instance i (weights per tier class from
+            :mod:`kvpool.protocol.tiers`: device 1.0 > DDR 0.8 > P2P peer 0.6 > disk 0.5 >
+            remote 0.3; pending = routed here moments ago, not yet admitted: 0.8)
     L_i   = (queued prefill tokens_i + chunk_size * in-flight requests_i) * slow_i
     slow_i = recent TTFT of i / median recent TTFT of the pool, clipped to [0.5, 2]
     score = w_prefix * H_i - w_load * L_i           (w_* = the pool's spec.gateway.routing)
@@ -25,37 +27,25 @@ from __future__ import annotations
 
 import hashlib
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol, TypeVar
 
-#: Weight of one cached token by the tier that holds it (see :func:`tier_of`).
-DEFAULT_TIER_WEIGHTS: dict[str, float] = {
-    "device": 1.0,
-    "ddr": 0.8,
-    "disk": 0.5,
-    "remote": 0.3,
-    "p2p": 0.6,
-    "pending": 0.8,
-}
-#: The location a P2P group member is credited its peers' chunks under (tier: p2p).
-P2P_LOCATION = "p2p-peer"
+from kvpool.protocol.policies import ROUTING_POLICIES
+from kvpool.protocol.tiers import DEFAULT_TIER_WEIGHTS as BACKEND_TIER_WEIGHTS
+from kvpool.protocol.tiers import tier_class
+
+#: Weight of one cached token by the tier class that holds it (see :func:`tier_of`).
+DEFAULT_TIER_WEIGHTS: dict[str, float] = {**BACKEND_TIER_WEIGHTS, "pending": 0.8}
+#: The location a P2P group member is credited its peers' chunks under: LMCache's P2P backend.
+P2P_LOCATION = "P2PBackend"
+#: The location of chunks routed to an instance moments ago, not yet admitted (gateway only).
+PENDING_LOCATION = "pending"
 
 
 def tier_of(location: str) -> str:
-    """The tier class of an LMCache location name (``str(backend)`` a worker reports)."""
-    name = location.lower()
-    if any(k in name for k in ("gpu", "npu", "device", "hbm", "pdbackend")):
-        return "device"
-    if any(k in name for k in ("localcpu", "maru", "cpu")):
-        return "ddr"
-    if any(k in name for k in ("disk", "gds", "nixlstorage", "ssd")):
-        return "disk"
-    if name == "pending":
-        return "pending"
-    if name == P2P_LOCATION:
-        return "p2p"
-    return "remote"
+    """The tier class of a location (an LMCache backend name a worker reports, or pending)."""
+    return "pending" if location == PENDING_LOCATION else tier_class(location)
 
 
 @dataclass(frozen=True)
@@ -108,9 +98,14 @@ class NoCandidateError(Exception):
 
 
 class Policy(Protocol):
-    """One routing policy: picks among candidates; never empty (the glue checks first)."""
+    """One routing policy: picks among candidates; never empty (the glue checks first).
 
-    name: str
+    ``name`` is its config name; ``uses_index`` says whether it needs the chunk index (when the
+    index cannot be trusted, the :class:`Router` falls back for such a policy).
+    """
+
+    name: ClassVar[str]
+    uses_index: ClassVar[bool]
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision: ...
 
@@ -187,10 +182,37 @@ class Guards:
 DEFAULT_GUARDS = Guards()
 
 
-class KvAffinityPolicy:
+@dataclass(frozen=True)
+class PolicySettings:
+    """What a policy may be built from: ``spec.gateway.routing`` and the guards."""
+
+    prefix_weight: float = 1.0
+    load_weight: float = 1.0
+    guards: Guards = DEFAULT_GUARDS
+
+
+#: Config name -> factory of the policy of that name (filled by :func:`register`).
+POLICIES: dict[str, Callable[[PolicySettings], Policy]] = {}
+
+_P = TypeVar("_P")
+
+
+def register(cls: _P) -> _P:
+    """Class decorator: make a policy available under its ``name`` (its ``from_settings``
+    builds it)."""
+    name = cls.name  # type: ignore[attr-defined]
+    if name not in ROUTING_POLICIES:
+        raise ValueError(f"policy {name!r} is not in kvpool.protocol.policies.ROUTING_POLICIES")
+    POLICIES[name] = cls.from_settings  # type: ignore[attr-defined]
+    return cls
+
+
+@register
+class KvAwarePolicy:
     """Cached prefix (tier-weighted) against load; see the module docstring."""
 
-    name = "kv-affinity"
+    name: ClassVar[str] = "kv-aware"
+    uses_index: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -203,6 +225,10 @@ class KvAffinityPolicy:
         self.load_weight = load_weight
         self.tier_weights = dict(tier_weights)
         self.guards = guards
+
+    @classmethod
+    def from_settings(cls, s: PolicySettings) -> KvAwarePolicy:
+        return cls(s.prefix_weight, s.load_weight, guards=s.guards)
 
     def load_cost(self, c: Candidate, chunk_size: int, median_ttft: float | None) -> float:
         tokens = c.load.queued_prefill_tokens + chunk_size * c.load.inflight
@@ -241,16 +267,22 @@ def _tie_order(session: str | None, candidates: Sequence[Candidate]) -> list[str
     return rendezvous_rank(session, names) if session else names
 
 
+@register
 class SessionPolicy:
     """Session affinity: one session (``x-session-id`` or ``user``) always lands on the same
     instance while it is available (rendezvous hashing); requests without one go to the
     least-loaded instance."""
 
-    name = "session"
+    name: ClassVar[str] = "session"
+    uses_index: ClassVar[bool] = False
 
     def __init__(self, guards: Guards = DEFAULT_GUARDS) -> None:
         self.guards = guards
         self._fallback = LeastLoadPolicy()
+
+    @classmethod
+    def from_settings(cls, s: PolicySettings) -> SessionPolicy:
+        return cls(s.guards)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         _check(candidates)
@@ -268,10 +300,16 @@ class SessionPolicy:
         raise NoCandidateError("no eligible instance")  # unreachable: the least loaded is
 
 
+@register
 class LeastLoadPolicy:
     """Fewest in-flight requests, then fewest queued prefill tokens, then fastest TTFT."""
 
-    name = "least-load"
+    name: ClassVar[str] = "least-load"
+    uses_index: ClassVar[bool] = False
+
+    @classmethod
+    def from_settings(cls, s: PolicySettings) -> LeastLoadPolicy:
+        return cls()
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         _check(candidates)
@@ -288,13 +326,19 @@ class LeastLoadPolicy:
         return Decision(best.name, "least-load", hit)
 
 
+@register
 class RoundRobinPolicy:
     """Each candidate in turn (by name), whatever it holds."""
 
-    name = "round-robin"
+    name: ClassVar[str] = "round-robin"
+    uses_index: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._next = 0
+
+    @classmethod
+    def from_settings(cls, s: PolicySettings) -> RoundRobinPolicy:
+        return cls()
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         _check(candidates)
@@ -305,30 +349,21 @@ class RoundRobinPolicy:
         return Decision(pick.name, "round-robin", hit)
 
 
-#: Policy names as the operator renders them (spec.gateway.routing.policy) → class.
-POLICY_NAMES = ("kv-aware", "session", "least-load", "round-robin")
-
-
-def make_policy(
-    name: str, prefix_weight: float, load_weight: float, guards: Guards = DEFAULT_GUARDS
-) -> Policy:
+def make_policy(name: str, settings: PolicySettings | None = None) -> Policy:
     """The policy the rendered config names."""
-    if name == "kv-aware":
-        return KvAffinityPolicy(prefix_weight, load_weight, guards=guards)
-    if name == "session":
-        return SessionPolicy(guards)
-    if name == "least-load":
-        return LeastLoadPolicy()
-    if name == "round-robin":
-        return RoundRobinPolicy()
-    raise ValueError(f"unknown routing policy {name!r}; use one of {', '.join(POLICY_NAMES)}")
+    factory = POLICIES.get(name)
+    if factory is None:
+        known = ", ".join(sorted(POLICIES))
+        raise ValueError(f"unknown routing policy {name!r}; use one of {known}")
+    return factory(settings or PolicySettings())
 
 
 class Router:
     """The policy in force plus the fallback when the index cannot be trusted.
 
-    With ``index_ok`` false (controller unreachable, replica out of sync) KV-affinity has no
-    hits to weigh: requests with a session go by session affinity, others by least load.
+    With ``index_ok`` false (controller unreachable, replica out of sync) a policy that uses the
+    index has no hits to weigh: requests with a session go by session affinity, others by least
+    load.
     """
 
     def __init__(self, policy: Policy, guards: Guards = DEFAULT_GUARDS) -> None:
@@ -339,7 +374,7 @@ class Router:
     def route(
         self, request: RouteRequest, candidates: Sequence[Candidate], *, index_ok: bool
     ) -> Decision:
-        if index_ok or not isinstance(self.policy, KvAffinityPolicy):
+        if index_ok or not self.policy.uses_index:
             return self.policy.choose(request, candidates)
         if request.session:
             d = self._session.choose(request, candidates)

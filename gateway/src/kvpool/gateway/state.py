@@ -30,7 +30,7 @@ from kvpool.gateway.pd import PDCoordinator
 from kvpool.gateway.prompts import Encoder, encoder_for
 from kvpool.gateway.proxy import Proxy
 from kvpool.gateway.reliability import KeyedBuckets
-from kvpool.gateway.routing import Guards, Router, make_policy
+from kvpool.gateway.routing import Guards, PolicySettings, Router, make_policy
 from kvpool.gateway.selection import Selector
 from kvpool.gateway.upstream import Upstream
 from kvpool.protocol.hashing import chunk_hashes
@@ -133,9 +133,8 @@ def build_state(
     )
     guards = Guards(config.guards.imbalance_abs, config.guards.imbalance_ratio)
     weights = config.routing.weights
-    router = Router(
-        make_policy(config.routing.policy, weights.prefix_hit, weights.load, guards), guards
-    )
+    settings = PolicySettings(weights.prefix_hit, weights.load, guards)
+    router = Router(make_policy(config.routing.policy, settings), guards)
     load = LoadTracker()
     selector = Selector(
         instances,

@@ -28,8 +28,9 @@ Layout (no I/O, no threads, no logging):
 A *chunk-location* is one (chunk hash, instance, worker, location) fact; ``len(index)`` counts
 them. Keys are LMCache chunk hashes: Python ``int`` of any sign and size (64-bit in practice).
 
-Tier order (used to pick "the" location of a hit, fastest first) is ``TIER_ORDER``; unknown
-location names rank after the known ones, by name.
+Tier order (used to pick "the" location of a hit, fastest first) is
+:func:`kvpool.protocol.tiers.tier_rank` (``TIER_ORDER`` lists the known names in that order);
+unknown names rank after the known ones.
 """
 
 from __future__ import annotations
@@ -40,21 +41,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice, repeat
 
+from kvpool.protocol.tiers import BACKENDS, tier_rank
+
 __all__ = ["SCAN_BLOCK", "TIER_ORDER", "ChunkIndex", "InstanceHit", "tier_rank"]
 
 #: LMCache storage backends (``str(backend)`` is the location a worker reports), fastest
-#: first: host memory, then local storage, then remote stores. Unknown names come after.
-TIER_ORDER: tuple[str, ...] = (
-    "LocalCPUBackend",
-    "PDBackend",
-    "MaruBackend",
-    "LocalDiskBackend",
-    "GdsBackend",
-    "NixlStorageBackend",
-    "RemoteBackend",
-    "P2PBackend",
-)
-_TIER_RANK = {name: rank for rank, name in enumerate(TIER_ORDER)}
+#: first, as :mod:`kvpool.protocol.tiers` ranks them. Unknown names come after.
+TIER_ORDER: tuple[str, ...] = tuple(sorted((b.name for b in BACKENDS), key=tier_rank))
 
 #: Hashes fetched per step of a prefix scan (the most it reads past where it stops).
 SCAN_BLOCK = 64
@@ -62,11 +55,6 @@ SCAN_BLOCK = 64
 _MEMO_LIMIT = 1 << 16
 #: A slot log is compacted when it holds more than twice its live keys plus this slack.
 _LOG_SLACK = 256
-
-
-def tier_rank(location: str) -> tuple[int, str]:
-    """Sort key of a location: known tiers by ``TIER_ORDER``, then unknown ones by name."""
-    return (_TIER_RANK.get(location, len(TIER_ORDER)), location)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from kvpool.operator.api.common import (
 )
 from kvpool.protocol.domain import DEFAULT_CONTROLLER_PORTS as _PORTS
 from kvpool.protocol.hashing import HashAlgorithm
+from kvpool.protocol.policies import RoutingPolicyName
 
 KvDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8"]
 
@@ -189,7 +190,7 @@ class RoutingWeights(ApiModel):
 class Routing(ApiModel):
     """Gateway routing policy."""
 
-    policy: Literal["kv-aware", "session", "least-load", "round-robin"] = Field(
+    policy: RoutingPolicyName = Field(
         default="kv-aware",
         description="kv-aware (cached prefix vs load), session (x-session-id or user, "
         "consistent hashing), least-load or round-robin. Default kv-aware.",

@@ -2,10 +2,10 @@
 
 Why this module exists: kvpool speaks of tiers (``local_cpu``, ``local_disk``, ``redis``,
 ``mooncake``) while LMCache names backends (``LocalCPUBackend``, ``LocalDiskBackend``,
-``RemoteBackend``). The agent memory API, the metrics and the benchmark all use kvpool's names.
-A remote tier that stops answering is bypassed through LMCache's own
-``StorageManager.set_backend_bypass`` (with a warning and a counter) and probed again later, so
-requests keep being served from the remaining tiers.
+``RemoteBackend``; the one table of them is :mod:`kvpool.protocol.tiers`). The agent memory
+API, the metrics and the benchmark all use kvpool's names. A remote tier that stops answering
+is bypassed through LMCache's own ``StorageManager.set_backend_bypass`` (with a warning and a
+counter) and probed again later, so requests keep being served from the remaining tiers.
 """
 
 from __future__ import annotations
@@ -21,12 +21,29 @@ from urllib.parse import urlparse
 
 from lmcache.v1.config import LMCacheEngineConfig
 
+from kvpool.protocol.tiers import BACKENDS, LOCAL_CPU, LOCAL_DISK
+
+__all__ = [
+    "BACKEND_OF_TIER",
+    "LOCAL_CPU",
+    "LOCAL_DISK",
+    "REMOTE_BACKEND",
+    "HealthProber",
+    "RemoteHealth",
+    "backend_for",
+    "configured_tiers",
+    "local_tier_stats",
+    "remote_probe_address",
+    "remote_tier_name",
+    "tier_of_backend",
+]
+
 logger = logging.getLogger(__name__)
 
-LOCAL_CPU = "local_cpu"
-LOCAL_DISK = "local_disk"
-BACKEND_OF_TIER = {LOCAL_CPU: "LocalCPUBackend", LOCAL_DISK: "LocalDiskBackend"}
-REMOTE_BACKEND = "RemoteBackend"
+#: kvpool tier name -> LMCache backend name, for the worker's local tiers (the one table is
+#: kvpool.protocol.tiers).
+BACKEND_OF_TIER = {b.local_name: b.name for b in BACKENDS if b.local_name is not None}
+REMOTE_BACKEND = next(b.name for b in BACKENDS if b.tier == "remote")
 _ALIASES = {"cpu": LOCAL_CPU, "ddr": LOCAL_CPU, "disk": LOCAL_DISK, "ssd": LOCAL_DISK}
 
 

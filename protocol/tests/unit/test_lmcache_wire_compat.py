@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from lmcache.v1.cache_controller import message as lm
 
-from kvpool.controller import protocol as p
+from kvpool.protocol import lmcache_wire as p
 
 OURS = typing.get_args(p.Msg)
 THEIRS = {cls.__name__: cls for cls in typing.get_args(lm.Msg)}

@@ -1,14 +1,17 @@
-"""LMCache 0.5.6 controller wire protocol, re-declared so the controller never imports LMCache.
+"""LMCache 0.5.6 controller wire protocol, re-declared so no kvpool component imports LMCache.
 
 Why: stock LMCache workers (``lmcache/v1/cache_controller/message.py``) send msgspec tagged
 structs over msgpack. To stay wire-compatible without pulling LMCache (and torch) into the
 controller image, every message is declared here with the same tag (the class name, in the
-``type`` field), the same field names, order and defaults. Unknown fields are ignored (msgspec's
-default) so a newer worker still decodes. ``decode`` is pure and turns every kind of bad input
-into a :class:`ProtocolError` with a ``kind`` the service counts.
+``type`` field), the same field names, order and defaults. Two components speak it: the
+controller (the server side) and the simulated engine (``kvpool.worker.sim``, the worker side,
+which must be indistinguishable from a real LMCache worker), so it lives in kvpool.protocol.
+Unknown fields are ignored (msgspec's default) so a newer worker still decodes. ``decode`` is
+pure and turns every kind of bad input into a :class:`ProtocolError` with a ``kind`` the
+service counts.
 
-The compatibility test ``tests/unit/test_protocol_compat.py`` round-trips every struct through
-LMCache's own ``Msg`` union in both directions.
+The compatibility test ``protocol/tests/unit/test_lmcache_wire_compat.py`` round-trips every
+struct through LMCache's own ``Msg`` union in both directions.
 """
 
 from __future__ import annotations
