@@ -230,6 +230,16 @@ async def test_unknown_route_is_openai_shaped(client: httpx.AsyncClient) -> None
     assert_error(await client.get("/v1/engines"), 404)
 
 
+async def test_pd_release_names_the_bad_field_and_is_refused_off_a_decoder(
+    client: httpx.AsyncClient,
+) -> None:
+    assert_error(await client.post("/pd/release", json={"req_id": "r"}), 400, "prompt_token_ids")
+    bad = {"prompt_token_ids": [1, -2]}
+    assert_error(await client.post("/pd/release", json=bad), 400, "prompt_token_ids.1")
+    err = assert_error(await client.post("/pd/release", json={"prompt_token_ids": [1, 2]}), 400)
+    assert err["code"] == "pd_not_receiver" and "decode" in err["message"]
+
+
 async def test_metrics_report_ttft_tokens_and_engine(client: httpx.AsyncClient) -> None:
     await client.post("/v1/completions", json={"prompt": "Metrics please", "max_tokens": 3})
     text = (await client.get("/metrics")).text

@@ -7,15 +7,21 @@ per-rank init and alloc ports), its answer carries ``kv_transfer_params.first_to
 sender notifies the proxy when the KV landed, and the decode request is the prompt plus that
 token. This module parses and checks the parameters (400s naming the field), builds the
 answer's ``kv_transfer_params`` and serves ``GET /pd/info`` (the instance's role and ports, so
-a proxy need not read the LMCache config). The contract is in worker/README.md, section "PD".
+a proxy need not read the LMCache config) and, on a decode worker, ``POST /pd/release`` (the
+proxy will not decode a prompt whose KV was transferred: free it now instead of after the
+unclaimed-transfer TTL). The contract is in worker/README.md, section "PD".
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Sequence
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
 
+from kvpool.protocol.pd import RELEASE_PATH
 from kvpool.worker.engine_api import KVTransferParams
 from kvpool.worker.openai_models import OpenAIError
 
@@ -80,11 +86,42 @@ def answer_params(
     return {"first_tok": first_token_id, "req_id": params.req_id, "num_tokens": num_tokens}
 
 
-def build_pd_router(pd: dict[str, Any]) -> APIRouter:
+@runtime_checkable
+class TransferReleaser(Protocol):
+    """A PD receiver's KV offload (``LMCacheOffload``): frees one prompt's transfer."""
+
+    def release_transfer(self, token_ids: Sequence[int], req_id: str | None = None) -> int: ...
+
+
+class ReleaseRequest(BaseModel):
+    """``POST /pd/release``: the prompt the prefill transferred (``kvpool.protocol.pd``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    req_id: str | None = None
+
+
+def build_pd_router(pd: dict[str, Any], engine: object = None) -> APIRouter:
+    """``GET /pd/info``; ``POST /pd/release`` frees through ``engine.offload`` (internal, like
+    the memory API: at worst it makes the decoder recompute a prompt, never answer wrong)."""
     router = APIRouter()
 
     @router.get("/pd/info")
     async def pd_info() -> dict[str, Any]:
         return pd
+
+    @router.post(RELEASE_PATH)
+    async def release(body: ReleaseRequest) -> dict[str, Any]:
+        offload = getattr(engine, "offload", None)
+        if pd.get("role") != "receiver" or not isinstance(offload, TransferReleaser):
+            raise OpenAIError(
+                f"{RELEASE_PATH} frees a transfer on a PD decode (receiver) instance; this "
+                "worker is not one: send it to the decode worker the prefill transferred to",
+                code="pd_not_receiver",
+            )
+        chunks = await asyncio.to_thread(
+            offload.release_transfer, body.prompt_token_ids, body.req_id
+        )
+        return {"req_id": body.req_id, "released_chunks": chunks}
 
     return router

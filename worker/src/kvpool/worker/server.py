@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvpool.protocol.chat import ChatMessage, TextTokenizer
+from kvpool.protocol.pd import RELEASE_PATH
 from kvpool.worker.engine_api import (
     Engine,
     EngineError,
@@ -54,7 +55,7 @@ from kvpool.worker.pd_api import answer_params, build_pd_router, parse_kv_transf
 
 logger = logging.getLogger(__name__)
 
-GUARDED_PREFIXES = ("/v1/", "/tokenize", "/memory/")
+GUARDED_PREFIXES = ("/v1/", "/tokenize", "/memory/", RELEASE_PATH)
 
 
 class WorkerRuntime:
@@ -425,7 +426,7 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
         return await run(prep, body.stream, body.include_usage(), chat_chunk)
 
     app.include_router(build_memory_router(engine, tok, runtime.sessions))
-    app.include_router(build_pd_router(runtime.pd_info))
+    app.include_router(build_pd_router(runtime.pd_info, engine))
     return app
 
 

@@ -34,6 +34,7 @@ from kvpool.worker.engine.offload.connector import (
     RetrieveReport,
 )
 from kvpool.worker.engine.offload.memory_ops import MemoryOps
+from kvpool.worker.engine.offload.pd_buffer import ReceiverBuffer
 from kvpool.worker.engine.offload.prefetch import PrefetchOps
 from kvpool.worker.engine.offload.registration import RegistrationCheck
 from kvpool.worker.engine.offload.storage_ops import (
@@ -112,6 +113,7 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
         self.pd_role = pd.pd_role(cfg)
         # vLLM's skip_last_n_tokens for a PD decoder: its prompt ends with the prefill's token.
         self.skip_last_n_tokens = 1 if self.pd_role == "receiver" else 0
+        pd_ttl_s = pd.unclaimed_ttl_s(cfg)  # before LMCache starts: a bad value is refused
         self.async_lookups: AsyncLookups | None = (
             AsyncLookups(cfg.lookup_timeout_ms / 1000.0, release=self._release_prefetch)
             if cfg.enable_async_loading
@@ -164,6 +166,8 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
             raise OffloadConfigError(f"LMCache engine {self.instance_id!r} failed: {e}") from e
         assert self.engine.storage_manager is not None
         self._storage = self.engine.storage_manager
+        # A PD receiver frees transfers nobody claims (LMCache frees only on retrieve).
+        self._pd_buffer = ReceiverBuffer.of(self._storage, pd_ttl_s, self.instance_id, self._lock)
         self._registration = (
             RegistrationCheck(self.engine, str(cfg.controller_reply_url), self.instance_id)
             if cfg.enable_controller and cfg.controller_reply_url
@@ -382,8 +386,18 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
                 self._count(f"loaded_bytes.{tier}", (end - pos) * self._payload_bytes_per_token)
                 pos = end
 
+    def release_transfer(self, token_ids: Sequence[int], req_id: str | None = None) -> int:
+        """PD receiver: free the transfer of the prompt ``token_ids`` that no decode will
+        claim (one reference per chunk, as a retrieve would); the chunks released."""
+        if self._pd_buffer is None:
+            raise OffloadConfigError("this instance is not a PD receiver (pd_role: receiver)")
+        keys = [k for _, _, k in self._chunks(token_ids)]
+        return self._pd_buffer.release(keys, req_id)[0]
+
     def metrics(self) -> dict[str, float]:
         out = dict(self._metrics)
+        if self._pd_buffer is not None:
+            out.update(self._pd_buffer.metrics())
         out["lmcache_frozen"] = 1.0 if self.engine.is_frozen() else 0.0
         if self.async_lookups is not None:
             out["pending_prefetches"] = float(self.pending_prefetches())
@@ -439,6 +453,8 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
             try:
                 if self._prober is not None:
                     self._prober.stop()
+                if self._pd_buffer is not None:
+                    self._pd_buffer.stop()
                 flush_pending(self._storage, max(0.0, deadline_s * 0.5))
                 close_redis(self._storage)
                 deregister_first(self.engine, min(1.0, deadline_s * 0.2))

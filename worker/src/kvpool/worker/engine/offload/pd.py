@@ -6,7 +6,8 @@ vLLM adapter builds it from the request's ``kv_transfer_params["disagg_spec"]`` 
 disaggregation proxy sent. This module turns the worker's :class:`KVTransferParams` into the
 object LMCache reads (the attributes of vLLM adapter's ``DisaggSpec``; that module imports
 vLLM, which cannot be imported here), and describes the instance's PD role for the proxy
-(``GET /pd/info``). Pure: no I/O.
+(``GET /pd/info``). It also reads the decoder's unclaimed-transfer TTL (the operator renders
+it under ``extra_config``; :mod:`.pd_buffer` applies it). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from typing import Any
 
 from lmcache.v1.config import LMCacheEngineConfig
 
+from kvpool.protocol.pd import (
+    DEFAULT_UNCLAIMED_TTL_SECONDS,
+    MAX_UNCLAIMED_TTL_SECONDS,
+    MIN_UNCLAIMED_TTL_SECONDS,
+    UNCLAIMED_TTL_KEY,
+)
+from kvpool.worker.engine.offload.config import OffloadConfigError
 from kvpool.worker.engine_api import KVTransferParams
 
 
@@ -49,6 +57,26 @@ def transfer_spec(params: KVTransferParams, num_chunks: int) -> TransferSpec:
 def pd_role(config: LMCacheEngineConfig) -> str | None:
     """``sender`` / ``receiver`` / ``both`` when PD is on, else None."""
     return str(config.pd_role) if config.enable_pd and config.pd_role else None
+
+
+def unclaimed_ttl_s(config: LMCacheEngineConfig) -> float | None:
+    """Seconds a PD receiver keeps a transfer nobody retrieved (``extra_config``, else the
+    default); None on any other instance. OffloadConfigError names the key and the fix."""
+    if pd_role(config) != "receiver":
+        return None
+    value = (config.extra_config or {}).get(UNCLAIMED_TTL_KEY, DEFAULT_UNCLAIMED_TTL_SECONDS)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not MIN_UNCLAIMED_TTL_SECONDS <= value <= MAX_UNCLAIMED_TTL_SECONDS
+    ):
+        raise OffloadConfigError(
+            f"extra_config.{UNCLAIMED_TTL_KEY} must be a number of seconds from "
+            f"{MIN_UNCLAIMED_TTL_SECONDS:g} to {MAX_UNCLAIMED_TTL_SECONDS:g}, got {value!r}: set "
+            "it to how long a transferred prompt may wait for its decode (the PDPair's "
+            f"spec.transfer.unclaimedTTLSeconds; default {DEFAULT_UNCLAIMED_TTL_SECONDS:g})"
+        )
+    return float(value)
 
 
 def pd_info(config: LMCacheEngineConfig | None, tp_size: int = 1) -> dict[str, Any]:
