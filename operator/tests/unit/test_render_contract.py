@@ -7,13 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from op_builders import EXAMPLES
+from op_builders import EXAMPLES, pd, pool
+from pydantic import ValidationError
 
 from kvpool.operator.api import P2PGroup
 from kvpool.operator.derive.lmcache_config import ASCEND_ONLY_KEYS
 from kvpool.operator.loader import load_text
 from kvpool.operator.render import lmcache_configs
 from kvpool.operator.render.fingerprint import pool_fingerprint
+from kvpool.protocol.pd import DEFAULT_UNCLAIMED_TTL_SECONDS, UNCLAIMED_TTL_KEY
 
 PER_RANK = (
     "lmcache_worker_ports",
@@ -57,3 +59,21 @@ def test_rendered_configs_keep_the_contract(path: Path) -> None:
                 if cfg.get("extra_config", {}).get("use_host_staging"):
                     assert cfg["transfer_channel"] == "hccl" and cfg["p2p_pull_mode"]
         assert len(ids) == len(set(ids))
+
+
+def test_a_cpu_decoder_gets_the_unclaimed_transfer_ttl_the_reference_worker_reads() -> None:
+    cpu = {"tensorParallelSize": 1, "engine": {"platform": "cpu"}}
+    sides = {"prefill": cpu, "decode": cpu}
+    configs = lmcache_configs(pool(), pd(**sides, transfer={"mode": "push"}))
+    assert configs["pair-decode-0"]["extra_config"] == {
+        UNCLAIMED_TTL_KEY: DEFAULT_UNCLAIMED_TTL_SECONDS
+    }
+    assert "extra_config" not in configs["pair-prefill-0"]  # a sender holds no transfers
+    tuned = pd(**sides, transfer={"mode": "push", "unclaimedTTLSeconds": 12})
+    assert lmcache_configs(pool(), tuned)["pair-decode-0"]["extra_config"][UNCLAIMED_TTL_KEY] == 12
+    # vLLM's LMCache connector has no such TTL: nothing is rendered that it would not honour
+    cuda = {"tensorParallelSize": 1, "engine": {"platform": "cuda"}}
+    vllm = lmcache_configs(pool(), pd(prefill=cuda, decode=cuda, transfer={"mode": "push"}))
+    assert UNCLAIMED_TTL_KEY not in vllm["pair-decode-0"].get("extra_config", {})
+    with pytest.raises(ValidationError, match="unclaimedTTLSeconds"):
+        pd(**sides, transfer={"mode": "push", "unclaimedTTLSeconds": 1})

@@ -23,6 +23,11 @@ from kvpool.operator.api.common import (
     Resources,
     cel_rules,
 )
+from kvpool.protocol.pd import (
+    DEFAULT_UNCLAIMED_TTL_SECONDS,
+    MAX_UNCLAIMED_TTL_SECONDS,
+    MIN_UNCLAIMED_TTL_SECONDS,
+)
 
 Platform = Literal["ascend", "cuda", "cpu"]
 
@@ -199,6 +204,19 @@ class PDTransfer(ApiModel):
         gt=0,
         alias="pullPendingTTLSeconds",
         description="pd_pull_pending_ttl (ascend pull modes). Default 360.",
+    )
+    unclaimed_ttl_seconds: float = Field(
+        default=DEFAULT_UNCLAIMED_TTL_SECONDS,
+        ge=MIN_UNCLAIMED_TTL_SECONDS,
+        le=MAX_UNCLAIMED_TTL_SECONDS,
+        alias="unclaimedTTLSeconds",
+        description="Seconds a decode instance keeps a transfer no decode has claimed (a "
+        "prefill-only answer, a client or gateway gone between prefill and decode) before it "
+        "frees it: LMCache frees its PD buffer only on retrieve, so unclaimed transfers would "
+        "fill it and stall every later push. Rendered as extra_config."
+        "kvpool_pd_unclaimed_ttl_seconds for kvpool's reference engine (platform cpu); vLLM's "
+        "LMCache connector has no such TTL. Keep it above the gateway's PD transfer wait "
+        "(30 s). Default 60.",
     )
 
 

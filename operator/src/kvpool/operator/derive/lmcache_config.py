@@ -22,6 +22,7 @@ from kvpool.operator.derive.platform import (
 from kvpool.operator.derive.ports import InstancePorts
 from kvpool.operator.quantity import GIB
 from kvpool.protocol.domain import instance_id
+from kvpool.protocol.pd import UNCLAIMED_TTL_KEY
 
 #: Top-level keys of lmcache 0.5.6 ``lmcache.v1.config._CONFIG_DEFINITIONS`` that kvpool may render
 #: or accept as overrides (the e2e test asserts each one exists in the installed LMCache).
@@ -290,4 +291,8 @@ def pd_config(
         if platform == "ascend":
             cfg["pd_pull_mode"] = pull
             cfg["pd_delay_pull"] = delay
+        if platform == "cpu":  # kvpool's reference engine frees transfers nobody claims
+            extra = dict(cfg.get("extra_config", {}))
+            extra[UNCLAIMED_TTL_KEY] = transfer.unclaimed_ttl_seconds
+            cfg["extra_config"] = dict(sorted(extra.items()))
     return dict(sorted(cfg.items()))
