@@ -233,7 +233,41 @@ def test_frozen_stores_are_skipped_and_counted() -> None:
     drive(inst, [req("r", range(3), 48, 1)])
     assert inst.counters["stored_chunks"] == 0
     assert inst.counters["store_skipped_frozen_chunks"] == 3
+    assert inst.counters["store_skipped_frozen_tokens"] == 48
     assert len(inst.ddr) == 0
+
+
+def test_frozen_tokens_count_a_partial_chunk_by_its_tokens() -> None:
+    """A saved unfull chunk (the prompt's last 5 tokens) skipped during a freeze counts 5."""
+    inst = SimInstance("a", config())
+    inst.frozen = True
+    drive(inst, [req("r", range(4), 53, 1)])
+    assert inst.counters["store_skipped_frozen_chunks"] == 4
+    assert inst.counters["store_skipped_frozen_tokens"] == 53
+
+
+def test_a_late_step_end_starts_the_next_step_then() -> None:
+    """Real time: a step ended late (``now``) delays every later step by the lag; without
+    ``now`` the next step starts when the previous one ended (virtual time)."""
+    times = []
+    for lag in (0.0, 0.5):
+        inst = SimInstance("a", config())
+        r = req("r", range(3), 48, 3)
+        inst.submit(r, 0.0)
+        first_end = inst.next_time
+        assert first_end is not None
+        inst.complete_step(now=first_end + lag if lag else None)
+        second_end = inst.next_time
+        assert second_end is not None
+        times.append(second_end - first_end)
+    decode1 = 0.01 + 0.001 + 0.0001 * 49
+    assert times[0] == pytest.approx(decode1)
+    assert times[1] == pytest.approx(0.5 + decode1)
+    inst = SimInstance("a", config())
+    inst.submit(req("r", range(3), 48, 3), 0.0)
+    end = inst.next_time
+    inst.complete_step(now=0.0)  # never before the step ended
+    assert inst._plan is not None and inst._plan.start == end
 
 
 def test_request_time_delays_scheduling() -> None:

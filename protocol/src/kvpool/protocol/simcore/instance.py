@@ -22,11 +22,13 @@ chunked prefill, LMCache under it:
   later step one more, until ``max_tokens``.
 
 The caller owns the clock: :meth:`SimInstance.submit` at the arrival time,
-:meth:`SimInstance.complete_step` at :attr:`SimInstance.next_time`. A step in progress is not
-changed by an arrival; the request waits for the next step, as in vLLM. For a fleet in virtual
-time, ``complete_step(fast=True)`` plans a stretch of identical decode-only steps as one (closed
-form of the same per-step model); an arrival during a stretch cuts it after the step in progress
-at that moment, so the result equals stepping one by one.
+:meth:`SimInstance.complete_step` at :attr:`SimInstance.next_time`. A caller in real time that
+ends a step late passes ``now``: the next step then starts at ``now`` instead of when the step
+ended, so a lagging process shows up as latency instead of being caught up. A step in
+progress is not changed by an arrival; the request waits for the next step, as in vLLM. For a
+fleet in virtual time, ``complete_step(fast=True)`` plans a stretch of identical decode-only
+steps as one (closed form of the same per-step model); an arrival during a stretch cuts it after
+the step in progress at that moment, so the result equals stepping one by one.
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ class SimInstance:
                 "cached_tokens",
                 "stored_chunks",
                 "store_skipped_frozen_chunks",
+                "store_skipped_frozen_tokens",
                 "generated_tokens",
                 "steps",
                 "busy_s",
@@ -233,11 +236,13 @@ class SimInstance:
         self.device.release(r.keys[: r.full], r.anon_blocks)
 
     # ------------------------------------------------------------------ stepping
-    def complete_step(self, *, fast: bool = False) -> StepResult:
+    def complete_step(self, *, fast: bool = False, now: float | None = None) -> StepResult:
         """End the step in progress (at :attr:`next_time`) and start the next one, if any.
 
         ``fast``: plan the next step as a stretch of identical decode-only steps when it is
-        one (no per-token results; same times as stepping one by one).
+        one (no per-token results; same times as stepping one by one). ``now``: when the
+        caller really ends the step (real time, possibly later than :attr:`next_time`); the
+        next step starts then, never before the step ended.
         """
         plan = self._plan
         if plan is None:
@@ -276,14 +281,19 @@ class SimInstance:
                     r.phase = "decode"
         self._plan = None
         if self.waiting or self.running:
-            self._start(plan.end, fast=fast)
+            self._start(plan.end if now is None else max(plan.end, now), fast=fast)
         return out
 
-    def _stored_keys(self, r: SimRequest, before: int, after: int) -> tuple[int, ...]:
-        """Keys completed by computing prompt tokens ``before..after`` that LMCache stores."""
+    def _stored_span(self, r: SimRequest, before: int, after: int) -> tuple[int, int]:
+        """Indices ``[first, last)`` of the keys completed by computing prompt tokens
+        ``before..after`` that LMCache stores."""
         c = self.config.chunk_size
         first = max(before // c, r.reused)
         last = len(r.keys) if after >= r.prompt_tokens else after // c
+        return first, max(first, last)
+
+    def _stored_keys(self, r: SimRequest, before: int, after: int) -> tuple[int, ...]:
+        first, last = self._stored_span(r, before, after)
         return r.keys[first:last]
 
     def _computed(self, r: SimRequest, before: int, events: list[KvEvent]) -> None:
@@ -292,11 +302,16 @@ class SimInstance:
         if ready > r.ready:
             self.device.mark_ready(r.keys[r.ready : ready], events)
             r.ready = ready
-        keys = self._stored_keys(r, before, r.computed)
+        first, last = self._stored_span(r, before, r.computed)
+        keys = r.keys[first:last]
         if not keys or not self.config.lmcache:
             return
-        if self.frozen:
+        if self.frozen:  # LMCache drops every store during a full sync: count chunks and tokens
+            c = self.config.chunk_size
             self.counters["store_skipped_frozen_chunks"] += len(keys)
+            self.counters["store_skipped_frozen_tokens"] += (
+                min(last * c, r.prompt_tokens) - first * c
+            )
             return
         self.counters["stored_chunks"] += self.ddr.put(keys, events)
         if self.disk.capacity:
