@@ -171,6 +171,7 @@ def test_special_ids_and_text_encoding(raw_tokenizer: Tokenizer) -> None:
     ours, hf = _pair(raw_tokenizer, CHATML)
     assert ours.eos_token_id == raw_tokenizer.token_to_id("<|eos|>")
     assert ours.chat_stop_token_ids() == (raw_tokenizer.token_to_id("<|im_end|>"),)
+    assert ours.special_token_ids() == {raw_tokenizer.token_to_id(t) for t in SPECIALS}
     text = "the lazy dog<|im_end|> ✓"
     assert ours.encode(text) == hf(text, add_special_tokens=False)["input_ids"]
     assert ours.decode(ours.encode("the quick fox")) == "the quick fox"

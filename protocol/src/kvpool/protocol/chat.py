@@ -179,6 +179,12 @@ class TextTokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text)
 
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the tokenizer's special tokens (BOS, EOS, pad, ChatML markers, ...): what a
+        generator of ordinary text never emits (the simulated engine's output)."""
+        added = self._tok.get_added_tokens_decoder()
+        return frozenset(int(i) for i, tok in added.items() if tok.special)
+
     def chat_stop_token_ids(self) -> tuple[int, ...]:
         """Tokens that end an assistant turn (ChatML's ``<|im_end|>``)."""
         return (self.im_end_token_id,) if self.im_end_token_id is not None else ()
