@@ -64,22 +64,24 @@ def prefill_app(proxy_port: int, log: dict[str, Any]) -> FastAPI:
     @app.post("/v1/completions")
     async def complete(body: dict[str, Any]) -> Response:
         log["prefill"] = body
+        answer = {
+            "id": "p",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "text": "P", "finish_reason": log.get("finish", "length")}],
+            "usage": {
+                "prompt_tokens": len(body["prompt"]),
+                "completion_tokens": 1,
+                "total_tokens": 0,
+            },
+        }
+        if "kv_transfer_params" not in body:  # a plain completion: nothing is transferred
+            return JSONResponse(answer)
         spec = body["kv_transfer_params"]["disagg_spec"]
         log["task"] = asyncio.create_task(notify(spec["req_id"], len(spec["receiver_init_port"])))
         return JSONResponse(
-            {
-                "id": "p",
-                "object": "text_completion",
-                "created": 1,
-                "model": "m",
-                "choices": [{"index": 0, "text": "P", "finish_reason": "length"}],
-                "usage": {
-                    "prompt_tokens": len(body["prompt"]),
-                    "completion_tokens": 1,
-                    "total_tokens": 0,
-                },
-                "kv_transfer_params": {"first_tok": 77, "req_id": spec["req_id"]},
-            }
+            {**answer, "kv_transfer_params": {"first_tok": 77, "req_id": spec["req_id"]}}
         )
 
     return app
@@ -87,6 +89,12 @@ def prefill_app(proxy_port: int, log: dict[str, Any]) -> FastAPI:
 
 def decode_app(log: dict[str, Any]) -> FastAPI:
     app = FastAPI()
+
+    @app.post("/pd/release")
+    async def release(body: dict[str, Any]) -> dict[str, Any]:
+        log.setdefault("released", []).append(body)
+        log["released_at"] = time.monotonic()
+        return {"req_id": body["req_id"], "released_chunks": 1}
 
     @app.get("/readyz")
     async def readyz() -> dict[str, str]:
@@ -117,22 +125,45 @@ def decode_app(log: dict[str, Any]) -> FastAPI:
     return app
 
 
+def unavailable_app() -> FastAPI:
+    """A prefill instance that is up but answers every completion with 503 (draining)."""
+    app = FastAPI()
+
+    @app.get("/readyz")
+    async def readyz() -> dict[str, str]:
+        return {"status": "ready"}
+
+    @app.post("/v1/completions")
+    async def complete() -> Response:
+        return JSONResponse({"error": {"message": "draining"}}, status_code=503)
+
+    return app
+
+
 @contextlib.asynccontextmanager
-async def pd_gateway(log: dict[str, Any]) -> AsyncIterator[httpx.AsyncClient]:
+async def pd_gateway(
+    log: dict[str, Any], limits: dict[str, Any] | None = None, *, unavailable_first: bool = False
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The gateway in front of a scripted pair; ``unavailable_first``: pre-0 answers 503 and
+    the working prefill is pre-1."""
     proxy_port = free_port()
     async with contextlib.AsyncExitStack() as stack:
         pre = await stack.enter_async_context(serving(prefill_app(proxy_port, log)))
         dec = await stack.enter_async_context(serving(decode_app(log)))
+        prefills = [{"name": "pre-0", "url": pre}]
+        if unavailable_first:
+            down = await stack.enter_async_context(serving(unavailable_app()))
+            prefills = [{"name": "pre-0", "url": down}, {"name": "pre-1", "url": pre}]
         raw = {
             "model": "m",
             "chunkSize": 4,
             "controllerUrl": "http://127.0.0.1:1",
             "pdPairs": [{
-                "name": "pair", "mode": "push", "proxyPort": proxy_port,
-                "prefill": [{"name": "pre-0", "url": pre}],
+                "name": "pair", "mode": "push", "proxyPort": proxy_port, "prefill": prefills,
                 "decode": [{"name": "dec-0", "url": dec, "host": "10.1.2.3",
                             "initPorts": [5001, 5002], "allocPorts": [6001, 6002]}],
             }],
+            "limits": limits or {},
         }  # fmt: skip
         state = build_state(parse_config(raw), GatewayEnv(), pd_bind_host="127.0.0.1")
         url = await stack.enter_async_context(serving(build_app(state)))
@@ -184,3 +215,68 @@ async def test_max_tokens_one_is_answered_by_the_prefill_alone() -> None:
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "P"
         assert "kv_transfer_params" not in r.json()
     assert "decode" not in log
+    assert "kv_transfer_params" not in log["prefill"]  # nothing to decode: nothing transferred
+
+
+async def wait_for(log: dict[str, Any], key: str, timeout_s: float = 5.0) -> Any:
+    end = time.monotonic() + timeout_s
+    while key not in log and time.monotonic() < end:
+        await asyncio.sleep(0.02)
+    return log.get(key)
+
+
+async def test_a_first_token_that_ends_the_answer_releases_the_landed_transfer() -> None:
+    log: dict[str, Any] = {"finish": "stop"}
+    async with pd_gateway(log) as client:
+        r = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "P"
+        released = await wait_for(log, "released")
+        metrics = (await client.get("/metrics")).text
+    assert "decode" not in log
+    req_id = log["prefill"]["kv_transfer_params"]["disagg_spec"]["req_id"]
+    assert released == [{"req_id": req_id, "prompt_token_ids": [5, 6, 7]}]
+    assert log["released_at"] >= log["notified_at"]  # never while the sender may still write
+    assert 'kvpool_gateway_pd_releases_total{outcome="released",pair="pair"} 1.0' in metrics
+    assert 'kvpool_gateway_pd_requests_total{outcome="prefill_only",pair="pair"} 1.0' in metrics
+
+
+async def test_a_client_gone_before_the_decode_is_not_decoded_and_its_transfer_released() -> None:
+    log: dict[str, Any] = {}
+    async with pd_gateway(log) as client:
+        body = {"prompt": [5, 6, 7], "max_tokens": 5}
+        with pytest.raises(httpx.ReadTimeout):  # leaves while the transfer is on its way
+            await client.post("/v1/completions", json=body, timeout=NOTIF_DELAY_S / 2)
+        released = await wait_for(log, "released")
+        metrics = (await client.get("/metrics")).text
+    assert released is not None and released[0]["prompt_token_ids"] == [5, 6, 7]
+    assert "decode" not in log  # the decoder's time is not spent on nobody
+    assert 'kvpool_gateway_pd_requests_total{outcome="client_gone",pair="pair"} 1.0' in metrics
+
+
+async def test_a_transfer_landing_after_the_decode_started_is_released() -> None:
+    log: dict[str, Any] = {}
+    async with pd_gateway(log, {"pdTransferTimeoutSeconds": NOTIF_DELAY_S * 0.75}) as client:
+        r = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "PDD"
+        released = await wait_for(log, "released")
+        metrics = (await client.get("/metrics")).text
+    assert released is not None
+    assert log["decoded_at"] < log["notified_at"] <= log["released_at"]  # decoded, recomputing
+    assert 'kvpool_gateway_pd_requests_total{outcome="recomputed",pair="pair"} 1.0' in metrics
+    assert 'kvpool_gateway_pd_releases_total{outcome="released",pair="pair"} 1.0' in metrics
+
+
+async def test_a_prefill_instance_answering_503_is_retried_on_another_by_the_proxy() -> None:
+    log: dict[str, Any] = {}
+    async with pd_gateway(log, unavailable_first=True) as client:
+        r = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvpool-instance"] == "pre-1,dec-0"
+        metrics = (await client.get("/metrics")).text
+    assert r.json()["choices"][0]["text"] == "PDD" and "released" not in log
+    assert 'kvpool_gateway_retries_total{reason="status_503"} 1.0' in metrics
+    assert 'kvpool_gateway_upstream_errors_total{instance="pre-0",kind="status_503"} 1.0' in metrics
+    assert (
+        'kvpool_gateway_routing_decisions_total{instance="dec-0",reason="pd-decode-least-load"}'
+        in metrics
+    )

@@ -81,6 +81,12 @@ class GatewayMetrics:
         self.pd_transfers = Counter(
             "kvpool_gateway_pd_requests", "PD requests by outcome", ["pair", "outcome"], registry=r
         )
+        self.pd_releases = Counter(
+            "kvpool_gateway_pd_releases",
+            "Transfers the PD proxy asked a decoder to free (it will not decode them), by outcome",
+            ["pair", "outcome"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,7 +16,12 @@ worker-side contract is /tmp/kvpool-team/pd-contract.md (mirrors LMCache's examp
    chunk that never landed is recomputed by the decoder, so output stays correct);
 3. decode: ``POST /v1/completions`` with ``prompt + [first_tok]`` and ``max_tokens - 1``.
 
-The prefill instance is chosen by KV affinity, the decode instance by load.
+A transfer the proxy will not decode (the first token ended the answer, the client left, the
+transfer landed after the decoder already recomputed) is released: once it has landed (never
+before: the sender may still be writing into the pages), ``POST`` of the prompt to the
+decoder's ``/pd/release`` (``kvpool.protocol.pd``) frees it at once instead of after the
+decoder's unclaimed-transfer TTL. LMCache frees a receiver's buffer only when a decode
+retrieves; without this, such transfers filled it and every later push waited forever.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -35,10 +42,16 @@ import zmq.asyncio
 from kvpool.gateway.config import DecodeRef, PDPairConfig
 from kvpool.gateway.instances import InstanceSet
 from kvpool.gateway.metrics import GatewayMetrics
+from kvpool.gateway.upstream import CALL_ERRORS
+from kvpool.protocol.pd import RELEASE_PATH, release_body
 
 logger = logging.getLogger(__name__)
 
 MAX_TRACKED = 65_536
+MAX_RELEASES = 4096  # releases waiting for their transfer at once; beyond, the decoder's TTL
+RELEASE_TIMEOUT_S = 5.0
+#: ``Upstream.post_json``: (url, body, timeout) → (status, JSON, text).
+PostJson = Callable[[str, dict[str, Any], float], Awaitable[tuple[int, Any, str]]]
 
 
 class ProxyNotif(msgspec.Struct, tag=True):
@@ -93,6 +106,17 @@ class TransferWaits:
 
 
 @dataclass(frozen=True)
+class Transfer:
+    """One prompt's KV on its way to a decode instance (``req_id`` names it on the wire)."""
+
+    pair: str
+    decode: str
+    req_id: str
+    tokens: list[int]
+    landed: asyncio.Event
+
+
+@dataclass(frozen=True)
 class DecodeTarget:
     """Where the prefill worker pushes the KV: the decode instance's PD receiver ports."""
 
@@ -136,6 +160,7 @@ class PDCoordinator:
         self._ctx: zmq.asyncio.Context | None = None
         self._sockets: list[zmq.asyncio.Socket] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Bind every pair's PULL socket before any prefill can be sent."""
@@ -168,27 +193,75 @@ class PDCoordinator:
                 continue
             self.waits.notified(req_id)
 
-    async def wait_transfer(self, req_id: str, event: asyncio.Event, pair: str) -> bool:
-        """True once every rank reported; False after the timeout (decode recomputes)."""
+    def expect(self, pair: str, target: DecodeTarget, tokens: list[int]) -> Transfer:
+        """A new transfer of ``tokens`` to ``target``, waited for from now on (before its
+        prefill is sent); ended by :meth:`wait_transfer`, :meth:`release` or :meth:`forget`."""
+        req_id = uuid.uuid4().hex
+        landed = self.waits.expect(req_id, len(target.init_ports))
+        return Transfer(pair, target.name, req_id, tokens, landed)
+
+    def forget(self, transfer: Transfer) -> None:
+        self.waits.done(transfer.req_id)
+
+    async def wait_transfer(self, transfer: Transfer) -> bool:
+        """True once every rank reported; False after the timeout (decode recomputes; the
+        wait stays open so that :meth:`release` can free a late transfer)."""
         try:
-            await asyncio.wait_for(event.wait(), self.transfer_timeout_s)
+            await asyncio.wait_for(transfer.landed.wait(), self.transfer_timeout_s)
         except TimeoutError:
             logger.warning(
                 "PD pair %s: no transfer-done for %s within %.0fs; decoding anyway",
-                pair,
-                req_id,
+                transfer.pair,
+                transfer.req_id,
                 self.transfer_timeout_s,
             )
-            self.metrics.pd_transfers.labels(pair, "transfer_timeout").inc()
+            self.metrics.pd_transfers.labels(transfer.pair, "transfer_timeout").inc()
             return False
-        finally:
-            self.waits.done(req_id)
+        self.forget(transfer)
         return True
 
+    def release(self, transfer: Transfer, post: PostJson) -> None:
+        """The proxy will not decode ``transfer``: in the background, once it has landed
+        (bounded by the transfer timeout), ask its decode instance to free it."""
+        if len(self._releases) >= MAX_RELEASES:
+            self.forget(transfer)
+            self._count_release(transfer, "dropped")  # the decoder's TTL frees it
+            return
+        task = asyncio.create_task(self._release(transfer, post))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, transfer: Transfer, post: PostJson) -> None:
+        try:
+            await asyncio.wait_for(transfer.landed.wait(), self.transfer_timeout_s)
+        except TimeoutError:
+            # Never free pages the sender may still be writing: the decoder's TTL will.
+            self._count_release(transfer, "not_landed")
+            return
+        finally:
+            self.forget(transfer)
+        inst = self.instances.get(transfer.decode)
+        outcome = "unknown_decoder"
+        if inst is not None:
+            body = release_body(transfer.req_id, transfer.tokens)
+            try:
+                status, _, text = await post(inst.url + RELEASE_PATH, body, RELEASE_TIMEOUT_S)
+                outcome = "released" if status == 200 else f"status_{status}"
+                if status != 200:
+                    logger.warning("PD release %s on %s: %d %s", transfer.req_id, inst.name,
+                                   status, text[:200])  # fmt: skip
+            except CALL_ERRORS as exc:
+                outcome = "failed"
+                logger.warning("PD release %s on %s failed: %r", transfer.req_id, inst.name, exc)
+        self._count_release(transfer, outcome)
+
+    def _count_release(self, transfer: Transfer, outcome: str) -> None:
+        self.metrics.pd_releases.labels(transfer.pair, outcome).inc()
+
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._releases]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._releases]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for sock in self._sockets:
@@ -196,5 +269,6 @@ class PDCoordinator:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
         self._tasks.clear()
+        self._releases.clear()
         self._sockets.clear()
         self._ctx = None

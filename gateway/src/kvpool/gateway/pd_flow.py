@@ -1,7 +1,11 @@
-"""One request through a PD pair: prefill (KV affinity), transfer wait, decode (load).
+"""One request through a PD pair: prefill (KV affinity), transfer wait, decode (a policy).
 
 Why this module exists: ``pd`` owns the sockets and the contract; this is the request path
-(see ``pd``'s docstring for the three steps). Both steps speak ``/v1/completions`` with token
+(see ``pd``'s docstring for the three steps), built from the gateway's own parts: the
+selector chooses the prefill instance (KV affinity) and builds the decode candidates, a
+routing policy chooses the decode instance (its KV arrives by transfer, so load is what
+matters), the proxy sends both steps (the prefill with its retries and breakers), the
+coordinator tracks and releases transfers. Both steps speak ``/v1/completions`` with token
 ids, as LMCache's proxy does; a chat request is answered in chat shape (the text of the
 prefill's first token, then the decoder's, re-wrapped as ``chat.completion`` objects).
 """
@@ -9,20 +13,18 @@ prefill's first token, then the decoder's, re-wrapped as ``chat.completion`` obj
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpool.gateway.errors import GatewayError, upstream_error
-from kvpool.gateway.proxy import Attempt
-from kvpool.gateway.routing import Decision, LeastLoadPolicy, RouteRequest
-from kvpool.gateway.selection import Prompt
-from kvpool.gateway.state import GatewayState
-from kvpool.gateway.upstream import TIMEOUT_ERRORS
+from kvpool.gateway.instances import Instance
+from kvpool.gateway.pd import PDCoordinator
+from kvpool.gateway.proxy import Attempt, Proxy
+from kvpool.gateway.routing import Decision, Policy, RouteRequest, make_policy
+from kvpool.gateway.selection import Prompt, Selector
 
 _DROP = ("messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
          "add_generation_prompt", "kv_transfer_params")  # fmt: skip
@@ -58,118 +60,175 @@ def _as_chat(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "object": "chat.completion", "choices": choices}
 
 
-async def _prefill(state: GatewayState, attempt: Attempt, body: dict[str, Any]) -> dict[str, Any]:
-    inst = attempt.instance
-    t0 = time.monotonic()
-    try:
-        status, payload, text = await state.upstream.post_json(f"{inst.url}/v1/completions", body)
-    except TIMEOUT_ERRORS as exc:
-        inst.breaker.failure(time.monotonic())
-        raise upstream_error(504, f"prefill on {inst.name} timed out", "timeout") from exc
-    except aiohttp.ClientError as exc:
-        inst.breaker.failure(time.monotonic())
-        raise upstream_error(
-            502, f"prefill on {inst.name} failed: {type(exc).__name__}", "upstream_unreachable"
-        ) from exc
-    finally:
-        state.load.finish(attempt.ticket)
-    state.metrics.ttft.labels(inst.name).observe(time.monotonic() - t0)
-    if not isinstance(payload, dict):
-        payload = {}
-    if status != 200:
-        err = payload.get("error", {}) if isinstance(payload.get("error"), dict) else {}
-        msg = f"prefill on {inst.name}: {err.get('message', text[:200])}"
-        if status < 500:
-            raise GatewayError(msg, status=status, param=err.get("param"), code=err.get("code"))
-        raise upstream_error(503 if status == 503 else 502, msg, "prefill_failed")
-    inst.breaker.success()
-    kv = payload.get("kv_transfer_params") or {}
-    if not isinstance(kv.get("first_tok"), int):
-        raise upstream_error(
-            502,
-            f"prefill on {inst.name} answered without kv_transfer_params.first_tok: is it a PD "
-            "sender (pd_role: sender)?",
-            "pd_protocol",
-        )
-    return payload
+#: The decode side's policy: the decoder receives the whole prompt's KV by transfer, so what it
+#: holds does not matter, its load does.
+DECODE_POLICY = "least-load"
+PD_PREFILL = "pd-prefill"  # the prefill step's endpoint label in the proxy's metrics
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it
 
 
-async def serve_pd(
-    state: GatewayState,
-    pair_name: str,
-    endpoint: str,
-    data: dict[str, Any],
-    tokens: list[int],
-    prompt: Prompt,
-    max_tokens: int | None,
-    on_done: Callable[[], None],
-) -> Response:
-    """Prefill, wait for the transfer, decode; ``on_done`` runs when the answer is sent
-    (the caller runs it when this raises)."""
-    sel = state.selector
-    chat = endpoint == "chat"
-    prefills = state.instances.of_group(pair_name, "prefill")
-    decodes = state.instances.of_group(pair_name, "decode")
-    p_inst, p_decision = await sel.choose(prefills, prompt, set(), role="prefill")
-    cands = sel.candidates(decodes, prompt, None, set())
-    if not cands:
-        raise upstream_error(
-            503, f"PD pair {pair_name}: no decode instance is ready", "no_instance_available"
-        )
-    d_name = LeastLoadPolicy().choose(RouteRequest(prompt.tokens, sel.chunk_size), cands).instance
-    # the decoder gets the whole prompt's KV by transfer: nothing of it is queued prefill there
-    d_decision = Decision(d_name, "pd-decode-least-load", prompt.tokens)
-    state.metrics.decisions.labels(d_decision.reason, d_name).inc()
-    d_inst = state.instances.by_name[d_name]
-    target = state.pd.targets[d_name]
-    req_id = uuid.uuid4().hex
-    event = state.pd.waits.expect(req_id, len(target.init_ports))
-    wanted = (
-        max_tokens if max_tokens is not None else (None if chat else DEFAULT_COMPLETION_MAX_TOKENS)
-    )
-    kv_params = {"ret_first_tok": True, "disagg_spec": target.disagg_spec(req_id)}
-    base = _base(data)
-    if chat:  # a chat turn ends at the template's end-of-turn token, as on /v1/chat/completions
-        stops = [*(data.get("stop_token_ids") or []), *state.encoder.chat_stop_token_ids()]
-        if stops:
-            base["stop_token_ids"] = list(dict.fromkeys(stops))
-    body = {**base, "prompt": tokens, "max_tokens": 1, "stream": False,
-            "kv_transfer_params": kv_params}  # fmt: skip
-    try:
-        pre = await _prefill(state, sel.admit(p_inst, prompt, p_decision), body)
-    except BaseException:
-        state.pd.waits.done(req_id)
-        state.metrics.pd_transfers.labels(pair_name, "prefill_failed").inc()
-        raise
-    first_tok = int(pre["kv_transfer_params"]["first_tok"])
-    choice = (pre.get("choices") or [{}])[0]
-    if wanted == 1 or choice.get("finish_reason") == "stop":
-        state.pd.waits.done(req_id)
-        state.metrics.pd_transfers.labels(pair_name, "prefill_only").inc()
-        return _single(pre, chat, bool(data.get("stream")), on_done)
-    landed = await state.pd.wait_transfer(req_id, event, pair_name)
-    decode = {**base, "prompt": [*tokens, first_tok], "stream": bool(data.get("stream"))}
-    if wanted is not None:
-        decode["max_tokens"] = wanted - 1
-    if data.get("stream_options") is not None:
-        decode["stream_options"] = data["stream_options"]
+def _noop() -> None:
+    return None
 
-    async def choose(n: int, exclude: set[str]) -> Attempt:
-        if d_name in exclude:
+
+def _object(value: Any) -> dict[str, Any]:
+    """``value`` (or the JSON in its bytes) if it is an object, else an empty one."""
+    if isinstance(value, bytes):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
+
+
+@dataclass
+class PDFlow:
+    """The PD request path over the gateway's selector, proxy and PD coordinator."""
+
+    selector: Selector
+    proxy: Proxy
+    coordinator: PDCoordinator
+    chat_stop_token_ids: Callable[[], tuple[int, ...]]
+    decode_policy: Policy = field(default_factory=lambda: make_policy(DECODE_POLICY))
+
+    def _decode_instance(self, pair: str, prompt: Prompt) -> tuple[Instance, Decision]:
+        sel = self.selector
+        cands = sel.candidates(sel.instances.of_group(pair, "decode"), prompt, None, set())
+        if not cands:
             raise upstream_error(
-                502, f"PD pair {pair_name}: decode on {d_name} failed", "decode_failed"
+                503, f"PD pair {pair}: no decode instance is ready", "no_instance_available"
             )
-        return sel.admit(d_inst, prompt, d_decision)
+        request = RouteRequest(prompt.tokens, sel.chunk_size, prompt.session)
+        chosen = self.decode_policy.choose(request, cands)
+        # the decoder gets the whole prompt's KV by transfer: nothing of it is queued prefill
+        decision = replace(
+            chosen, reason=f"pd-decode-{chosen.reason}", predicted_hit_tokens=prompt.tokens
+        )
+        sel.metrics.decisions.labels(decision.reason, decision.instance).inc()
+        return sel.instances.by_name[decision.instance], decision
 
-    state.metrics.pd_transfers.labels(pair_name, "transferred" if landed else "recomputed").inc()
-    resp = await state.proxy.forward(choose, "/v1/completions", decode, {}, on_done, endpoint)
-    if resp.status_code != 200:
-        return resp
-    where = {"x-kvpool-instance": f"{p_inst.name},{d_name}", "x-kvpool-route-reason": "pd"}
-    if isinstance(resp, StreamingResponse):
-        events = _stream(pre, resp.body_iterator, chat)
-        return StreamingResponse(events, media_type="text/event-stream", headers=where)
-    return JSONResponse(_merge(pre, json.loads(bytes(resp.body)), chat), headers=where)
+    async def _prefill(
+        self, pair: str, prompt: Prompt, body: dict[str, Any]
+    ) -> tuple[Instance, dict[str, Any]]:
+        """The prefill's answer, through the proxy (another prefill instance after a connect
+        error or a 503, breakers, timeouts); an error answer raised naming the instance."""
+        sel = self.selector
+        prefills = sel.instances.of_group(pair, "prefill")
+        tried: list[Instance] = []
+
+        async def choose(n: int, exclude: set[str]) -> Attempt:
+            inst, decision = await sel.choose(prefills, prompt, exclude, role="prefill")
+            tried.append(inst)
+            return sel.admit(inst, prompt, decision)
+
+        resp = await self.proxy.forward(choose, "/v1/completions", body, {}, _noop, PD_PREFILL)
+        name = tried[-1].name if tried else "the prefill instance"
+        payload = _object(bytes(resp.body))
+        if resp.status_code != 200:
+            err = _object(payload.get("error"))
+            detail = err.get("message", bytes(resp.body)[:200].decode(errors="replace"))
+            msg = f"prefill on {name}: {detail}"
+            if resp.status_code < 500:
+                raise GatewayError(
+                    msg, status=resp.status_code, param=err.get("param"), code=err.get("code")
+                )
+            raise upstream_error(503 if resp.status_code == 503 else 502, msg, "prefill_failed")
+        kv = payload.get("kv_transfer_params")
+        if "kv_transfer_params" in body and not isinstance((kv or {}).get("first_tok"), int):
+            raise upstream_error(
+                502,
+                f"prefill on {name} answered without kv_transfer_params.first_tok: is it a PD "
+                "sender (pd_role: sender)?",
+                "pd_protocol",
+            )
+        return tried[-1], payload
+
+    async def serve(
+        self,
+        pair: str,
+        endpoint: str,
+        data: dict[str, Any],
+        tokens: list[int],
+        prompt: Prompt,
+        max_tokens: int | None,
+        on_done: Callable[[], None],
+        client_gone: Callable[[], Awaitable[bool]],
+    ) -> Response:
+        """Prefill, wait for the transfer, decode; ``on_done`` runs when the answer is sent
+        (the caller runs it when this raises). A transfer that will not be decoded is released
+        (see ``pd``)."""
+        chat = endpoint == "chat"
+        metrics = self.coordinator.metrics
+        wanted = (
+            max_tokens
+            if max_tokens is not None
+            else (None if chat else DEFAULT_COMPLETION_MAX_TOKENS)
+        )
+        base = _base(data)
+        if chat:  # a chat turn ends at the template's end-of-turn token, as on /v1/chat/completions
+            stops = [*(data.get("stop_token_ids") or []), *self.chat_stop_token_ids()]
+            if stops:
+                base["stop_token_ids"] = list(dict.fromkeys(stops))
+        body = {**base, "prompt": tokens, "max_tokens": 1, "stream": False}
+        if wanted == 1:  # the prefill's token is the whole answer: transfer nothing
+            try:
+                _, pre = await self._prefill(pair, prompt, body)
+            except BaseException:
+                metrics.pd_transfers.labels(pair, "prefill_failed").inc()
+                raise
+            metrics.pd_transfers.labels(pair, "prefill_only").inc()
+            return _single(pre, chat, bool(data.get("stream")), on_done)
+        d_inst, d_decision = self._decode_instance(pair, prompt)
+        target = self.coordinator.targets[d_inst.name]
+        transfer = self.coordinator.expect(pair, target, tokens)
+        spec = target.disagg_spec(transfer.req_id)
+        body["kv_transfer_params"] = {"ret_first_tok": True, "disagg_spec": spec}
+        try:
+            p_inst, pre = await self._prefill(pair, prompt, body)
+        except BaseException:
+            self.coordinator.forget(transfer)
+            metrics.pd_transfers.labels(pair, "prefill_failed").inc()
+            raise
+        first_tok = int(pre["kv_transfer_params"]["first_tok"])
+        choice = (pre.get("choices") or [{}])[0]
+
+        def release() -> None:
+            self.coordinator.release(transfer, self.proxy.upstream.post_json)
+
+        if choice.get("finish_reason") == "stop":  # the first token ended the answer
+            release()
+            metrics.pd_transfers.labels(pair, "prefill_only").inc()
+            return _single(pre, chat, bool(data.get("stream")), on_done)
+        landed = await self.coordinator.wait_transfer(transfer)
+        if await client_gone():  # nobody to decode for: free the transfer, not the decoder's time
+            release()
+            metrics.pd_transfers.labels(pair, "client_gone").inc()
+            on_done()
+            return Response(status_code=CLIENT_CLOSED)
+        if not landed:
+            release()  # the decoder recomputes; the transfer, if it lands late, is freed
+        decode = {**base, "prompt": [*tokens, first_tok], "stream": bool(data.get("stream"))}
+        if wanted is not None:
+            decode["max_tokens"] = wanted - 1
+        if data.get("stream_options") is not None:
+            decode["stream_options"] = data["stream_options"]
+
+        async def choose(n: int, exclude: set[str]) -> Attempt:
+            if d_inst.name in exclude:
+                raise upstream_error(
+                    502, f"PD pair {pair}: decode on {d_inst.name} failed", "decode_failed"
+                )
+            return self.selector.admit(d_inst, prompt, d_decision)
+
+        metrics.pd_transfers.labels(pair, "transferred" if landed else "recomputed").inc()
+        resp = await self.proxy.forward(choose, "/v1/completions", decode, {}, on_done, endpoint)
+        if resp.status_code != 200:
+            return resp
+        where = {"x-kvpool-instance": f"{p_inst.name},{d_inst.name}", "x-kvpool-route-reason": "pd"}
+        if isinstance(resp, StreamingResponse):
+            events = _stream(pre, resp.body_iterator, chat)
+            return StreamingResponse(events, media_type="text/event-stream", headers=where)
+        return JSONResponse(_merge(pre, json.loads(bytes(resp.body)), chat), headers=where)
 
 
 def _single(pre: dict[str, Any], chat: bool, stream: bool, on_done: Callable[[], None]) -> Response:

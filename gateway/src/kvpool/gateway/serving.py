@@ -17,7 +17,6 @@ from kvpool.gateway.deps import RAW_BODY
 from kvpool.gateway.errors import GatewayError
 from kvpool.gateway.instances import Instance
 from kvpool.gateway.models import session_of
-from kvpool.gateway.pd_flow import serve_pd
 from kvpool.gateway.proxy import Attempt
 from kvpool.gateway.selection import Prompt
 from kvpool.gateway.state import GatewayState
@@ -89,7 +88,9 @@ async def serve(
     if pair is not None:
         release = once(state.admission.release)
         try:
-            return await serve_pd(state, pair, endpoint, data, tokens, prompt, max_tokens, release)
+            return await state.pd_flow.serve(
+                pair, endpoint, data, tokens, prompt, max_tokens, release, request.is_disconnected
+            )
         except BaseException:
             release()
             raise

@@ -2,9 +2,9 @@
 
 Why this module exists: every route needs the same handful of long-lived objects — the
 HTTP client pool, the instances and their breakers, the index client, the router, the load
-tracker, admission control, the session memory, the PD coordinator. :func:`build_state`
-wires them from a :class:`GatewayConfig`; routes receive the result through a FastAPI
-dependency (``deps.get_state``) instead of closing over locals.
+tracker, admission control, the session memory, the PD coordinator and request path.
+:func:`build_state` wires them from a :class:`GatewayConfig`; routes receive the result
+through a FastAPI dependency (``deps.get_state``) instead of closing over locals.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kvpool.gateway.load import LoadTracker, PendingPrefixes
 from kvpool.gateway.memory import SessionMemory
 from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.pd import PDCoordinator
+from kvpool.gateway.pd_flow import PDFlow
 from kvpool.gateway.prompts import Encoder, encoder_for
 from kvpool.gateway.proxy import Proxy
 from kvpool.gateway.reliability import KeyedBuckets
@@ -59,6 +60,7 @@ class GatewayState:
     hasher: Hasher
     sessions: SessionMemory
     pd: PDCoordinator
+    pd_flow: PDFlow
     api_keys: frozenset[str]
     buckets: KeyedBuckets | None
     started_at: float = field(default_factory=time.monotonic)
@@ -152,6 +154,10 @@ def build_state(
         return chunk_hashes(tokens, hash_config)
 
     rate = limits.rate_limit
+    encoder = encoder or encoder_for(config, instances, upstream)
+    pd = PDCoordinator(
+        config.pd_pairs, instances, pd_bind_host, metrics, limits.pd_transfer_timeout_seconds
+    )
     return GatewayState(
         config=config,
         env=env,
@@ -164,12 +170,11 @@ def build_state(
         selector=selector,
         proxy=proxy,
         admission=Admission(limits.max_inflight, limits.max_queue, limits.queue_timeout_seconds),
-        encoder=encoder or encoder_for(config, instances, upstream),
+        encoder=encoder,
         hasher=hasher,
         sessions=SessionMemory(limits.sessions),
-        pd=PDCoordinator(
-            config.pd_pairs, instances, pd_bind_host, metrics, limits.pd_transfer_timeout_seconds
-        ),
+        pd=pd,
+        pd_flow=PDFlow(selector, proxy, pd, encoder.chat_stop_token_ids),
         api_keys=env.api_keys(),
         buckets=KeyedBuckets(rate.requests_per_second, rate.burst) if rate else None,
     )
