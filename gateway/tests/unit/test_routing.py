@@ -13,6 +13,7 @@ from kvpool.gateway.routing import (
     P2P_LOCATION,
     POLICIES,
     Candidate,
+    Candidates,
     Guards,
     InstanceLoad,
     KvAwarePolicy,
@@ -67,10 +68,13 @@ def test_a_peer_that_can_pull_the_prefix_wins_once_the_holder_is_queued() -> Non
     tokens)."""
     req = RouteRequest(prompt_tokens=4 * CHUNK, chunk_size=CHUNK)
     holder, peer = cand("a", hit=4), cand("b", hit=4, where=P2P_LOCATION)
-    assert KvAwarePolicy().choose(req, [holder, peer]).instance == "a"
+    assert KvAwarePolicy().choose(req, Candidates.of([holder, peer])).instance == "a"
     busy = cand("a", hit=4, queued=250)
-    assert KvAwarePolicy().choose(req, [busy, peer]).instance == "b"
-    assert KvAwarePolicy().choose(req, [cand("a", hit=4, queued=150), peer]).instance == "a"
+    assert KvAwarePolicy().choose(req, Candidates.of([busy, peer])).instance == "b"
+    assert (
+        KvAwarePolicy().choose(req, Candidates.of([cand("a", hit=4, queued=150), peer])).instance
+        == "a"
+    )
 
 
 def test_weighted_hits_credit_each_chunk_once_at_its_fastest_tier() -> None:
@@ -85,25 +89,28 @@ def test_weighted_hits_credit_each_chunk_once_at_its_fastest_tier() -> None:
 
 
 def test_kv_affinity_prefers_the_longest_cached_prefix() -> None:
-    d = KvAwarePolicy().choose(REQ, [cand("a", hit=1), cand("b", hit=3), cand("c")])
+    d = KvAwarePolicy().choose(REQ, Candidates.of([cand("a", hit=1), cand("b", hit=3), cand("c")]))
     assert (d.instance, d.reason, d.predicted_hit_tokens) == ("b", "kv-hit", 768)
 
 
 def test_kv_affinity_faster_tier_wins_at_equal_length() -> None:
     d = KvAwarePolicy().choose(
-        REQ, [cand("a", hit=2, where="LocalDiskBackend"), cand("b", hit=2, where="LocalCPUBackend")]
+        REQ,
+        Candidates.of(
+            [cand("a", hit=2, where="LocalDiskBackend"), cand("b", hit=2, where="LocalCPUBackend")]
+        ),
     )
     assert d.instance == "b"
 
 
 def test_load_outweighs_a_small_hit() -> None:
     # b holds one chunk (256 x 0.8 = 204.8) but has 2 requests in flight (0.5 x 512 = 256).
-    d = KvAwarePolicy().choose(REQ, [cand("a"), cand("b", hit=1, inflight=2)])
+    d = KvAwarePolicy().choose(REQ, Candidates.of([cand("a"), cand("b", hit=1, inflight=2)]))
     assert (d.instance, d.reason) == ("a", "kv-miss-least-load")
 
 
 def test_queued_prefill_tokens_count_as_load() -> None:
-    d = KvAwarePolicy().choose(REQ, [cand("a", queued=4000), cand("b", queued=100)])
+    d = KvAwarePolicy().choose(REQ, Candidates.of([cand("a", queued=4000), cand("b", queued=100)]))
     assert d.instance == "b"
 
 
@@ -114,22 +121,28 @@ def test_slow_instance_looks_more_loaded() -> None:
         cand("b", queued=1000, ttft=1.0),
         cand("c", queued=1000, ttft=1.0),
     )
-    assert KvAwarePolicy().choose(REQ, [a, b, c]).instance in ("b", "c")
+    assert KvAwarePolicy().choose(REQ, Candidates.of([a, b, c])).instance in ("b", "c")
 
 
 def test_weights_come_from_the_pool() -> None:
     cands = [cand("a", hit=3, inflight=2), cand("b")]
-    assert KvAwarePolicy(prefix_weight=1.0, load_weight=0.5).choose(REQ, cands).instance == "a"
-    assert KvAwarePolicy(prefix_weight=0.1, load_weight=1.0).choose(REQ, cands).instance == "b"
+    assert (
+        KvAwarePolicy(prefix_weight=1.0, load_weight=0.5).choose(REQ, Candidates.of(cands)).instance
+        == "a"
+    )
+    assert (
+        KvAwarePolicy(prefix_weight=0.1, load_weight=1.0).choose(REQ, Candidates.of(cands)).instance
+        == "b"
+    )
 
 
 def test_bounded_imbalance_stops_a_hot_prefix_collapsing_the_pool() -> None:
     # a holds the whole prompt but already carries 9 requests; the others are idle.
     pol = KvAwarePolicy(prefix_weight=10.0, load_weight=0.01, guards=Guards(imbalance_abs=8))
-    d = pol.choose(REQ, [cand("a", hit=4, inflight=9), cand("b"), cand("c")])
+    d = pol.choose(REQ, Candidates.of([cand("a", hit=4, inflight=9), cand("b"), cand("c")]))
     assert d.instance in ("b", "c") and d.reason == "imbalance-guard"
     # within the bound the hit wins
-    d = pol.choose(REQ, [cand("a", hit=4, inflight=8), cand("b"), cand("c")])
+    d = pol.choose(REQ, Candidates.of([cand("a", hit=4, inflight=8), cand("b"), cand("c")]))
     assert d.instance == "a"
 
 
@@ -137,7 +150,7 @@ def test_ties_follow_the_session_hash() -> None:
     names = ["a", "b", "c", "d"]
     for session in ("s1", "s2", "s3"):
         req = RouteRequest(100, CHUNK, session)
-        d = KvAwarePolicy().choose(req, [cand(n) for n in names])
+        d = KvAwarePolicy().choose(req, Candidates.of([cand(n) for n in names]))
         assert d.instance == rendezvous_rank(session, names)[0]
 
 
@@ -153,25 +166,33 @@ def test_rendezvous_is_consistent_when_an_instance_leaves() -> None:
 
 def test_session_policy_sticks_and_falls_back() -> None:
     cands = [cand("a"), cand("b"), cand("c")]
-    first = SessionPolicy().choose(RouteRequest(10, CHUNK, "alice"), cands)
-    again = SessionPolicy().choose(RouteRequest(10, CHUNK, "alice"), list(reversed(cands)))
+    first = SessionPolicy().choose(RouteRequest(10, CHUNK, "alice"), Candidates.of(cands))
+    again = SessionPolicy().choose(
+        RouteRequest(10, CHUNK, "alice"), Candidates.of(list(reversed(cands)))
+    )
     assert first.instance == again.instance and first.reason == "session"
-    no_session = SessionPolicy().choose(RouteRequest(10, CHUNK), [cand("a", inflight=3), cand("b")])
+    no_session = SessionPolicy().choose(
+        RouteRequest(10, CHUNK), Candidates.of([cand("a", inflight=3), cand("b")])
+    )
     assert (no_session.instance, no_session.reason) == ("b", "no-session-least-load")
     # the session's favourite is overloaded: the next in its ranking takes it
     fav = first.instance
     loaded = [cand(n, inflight=20 if n == fav else 0) for n in ("a", "b", "c")]
-    moved = SessionPolicy().choose(RouteRequest(10, CHUNK, "alice"), loaded)
+    moved = SessionPolicy().choose(RouteRequest(10, CHUNK, "alice"), Candidates.of(loaded))
     assert moved.instance != fav and moved.reason == "session-imbalance-guard"
 
 
 def test_least_load_and_round_robin() -> None:
     assert (
-        LeastLoadPolicy().choose(REQ, [cand("a", inflight=2), cand("b", inflight=1)]).instance
+        LeastLoadPolicy()
+        .choose(REQ, Candidates.of([cand("a", inflight=2), cand("b", inflight=1)]))
+        .instance
         == "b"
     )
     rr = RoundRobinPolicy()
-    picks = [rr.choose(REQ, [cand("b"), cand("a"), cand("c")]).instance for _ in range(6)]
+    picks = [
+        rr.choose(REQ, Candidates.of([cand("b"), cand("a"), cand("c")])).instance for _ in range(6)
+    ]
     assert picks == ["a", "b", "c", "a", "b", "c"]
 
 
@@ -185,7 +206,7 @@ def test_the_registry_has_one_class_per_config_name() -> None:
 def test_every_policy_refuses_an_empty_pool() -> None:
     for name in ROUTING_POLICIES:
         with pytest.raises(NoCandidateError):
-            make_policy(name, PolicySettings(1.0, 0.5)).choose(REQ, [])
+            make_policy(name, PolicySettings(1.0, 0.5)).choose(REQ, Candidates.of([]))
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("random", PolicySettings(1.0, 0.5))
 
@@ -193,13 +214,18 @@ def test_every_policy_refuses_an_empty_pool() -> None:
 def test_router_falls_back_when_the_index_is_down() -> None:
     router = Router(KvAwarePolicy())
     cands = [cand("a", hit=4), cand("b")]
-    assert router.route(REQ, cands, index_ok=True).reason == "kv-hit"
-    down = router.route(REQ, [cand("a", inflight=1), cand("b")], index_ok=False)
+    assert router.route(REQ, Candidates.of(cands), index_ok=True).reason == "kv-hit"
+    down = router.route(REQ, Candidates.of([cand("a", inflight=1), cand("b")]), index_ok=False)
     assert (down.instance, down.reason) == ("b", "fallback-least-load")
-    with_session = router.route(RouteRequest(10, CHUNK, "bob"), cands, index_ok=False)
+    with_session = router.route(
+        RouteRequest(10, CHUNK, "bob"), Candidates.of(cands), index_ok=False
+    )
     assert with_session.reason == "fallback-session"
     # a non-affinity policy is not affected by the index
-    assert Router(RoundRobinPolicy()).route(REQ, cands, index_ok=False).reason == "round-robin"
+    assert (
+        Router(RoundRobinPolicy()).route(REQ, Candidates.of(cands), index_ok=False).reason
+        == "round-robin"
+    )
 
 
 def test_pending_prefixes_send_a_burst_to_one_instance() -> None:
@@ -216,7 +242,7 @@ def test_pending_prefixes_send_a_burst_to_one_instance() -> None:
             Candidate(n, load.load(n), merge_pending(None, pending.hit(n, hashes, now)))
             for n in ("a", "b", "c")
         ]
-        d = policy.choose(RouteRequest(2048, CHUNK), cands)
+        d = policy.choose(RouteRequest(2048, CHUNK), Candidates.of(cands))
         pending.record(d.instance, hashes, now)
         load.start(d.instance, 0, now)
         picks.append(d.instance)

@@ -44,7 +44,7 @@ async def _tokens(state: GatewayState, req: MemoryRequest) -> tuple[list[int], s
 
 
 def _ready(state: GatewayState) -> list[Instance]:
-    return state.instances.available(state.instances)
+    return list(state.instances.available(state.instances))
 
 
 async def _targets(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,14 +21,14 @@ import httpx
 
 from kvpool.gateway.config import GatewayConfig
 from kvpool.gateway.metrics import GatewayMetrics
-from kvpool.gateway.reliability import CircuitBreaker
+from kvpool.gateway.reliability import BreakerState, CircuitBreaker
 
 logger = logging.getLogger(__name__)
 
 Role = Literal["peer", "prefill", "decode"]
 
 
-@dataclass
+@dataclass(eq=False)
 class Instance:
     """One engine instance (its HTTP base URL) and what the gateway knows of its health."""
 
@@ -36,17 +36,36 @@ class Instance:
     url: str
     role: Role
     group: str
-    ready: bool = False
     last_error: str | None = None
     probe_failures: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    _ready: bool = field(default=False, repr=False)
+    on_change: Callable[[Instance], None] | None = field(default=None, repr=False)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        if value != self._ready:
+            self._ready = value
+            if self.on_change is not None:
+                self.on_change(self)
+
+    @property
+    def impaired(self) -> bool:
+        """Not ready, or its breaker is not closed: check before each request."""
+        return not self._ready or self.breaker.state is not BreakerState.CLOSED
 
     def available(self, now: float) -> bool:
-        return self.ready and self.breaker.available(now)
+        return self._ready and self.breaker.available(now)
 
 
 class InstanceSet:
-    """Every configured instance by name."""
+    """Every configured instance by name; which of them are *impaired* (not ready, or their
+    breaker not closed) is kept up to date as it changes, so picking the available ones of a
+    thousand-instance pool costs nothing while they are all healthy."""
 
     def __init__(self, instances: Iterable[Instance], clock: Callable[[], float] = time.monotonic):
         self.by_name: dict[str, Instance] = {}
@@ -55,6 +74,18 @@ class InstanceSet:
                 raise ValueError(f"instance {inst.name!r} is listed twice in the gateway config")
             self.by_name[inst.name] = inst
         self.clock = clock
+        self._impaired: set[Instance] = set()
+        self._peers = [i for i in self.by_name.values() if i.role == "peer"]
+        for inst in self.by_name.values():
+            inst.on_change = self._refresh
+            inst.breaker.on_change = lambda inst=inst: self._refresh(inst)
+            self._refresh(inst)
+
+    def _refresh(self, inst: Instance) -> None:
+        if inst.impaired:
+            self._impaired.add(inst)
+        else:
+            self._impaired.discard(inst)
 
     @classmethod
     def from_config(cls, config: GatewayConfig) -> InstanceSet:
@@ -78,14 +109,19 @@ class InstanceSet:
         return self.by_name.get(name)
 
     def peers(self) -> list[Instance]:
-        return [i for i in self.by_name.values() if i.role == "peer"]
+        """The P2P group members (the same list object every time: do not modify it)."""
+        return self._peers
 
     def of_group(self, group: str, role: Role) -> list[Instance]:
         return [i for i in self.by_name.values() if i.group == group and i.role == role]
 
-    def available(self, instances: Iterable[Instance]) -> list[Instance]:
+    def available(self, instances: Iterable[Instance]) -> Sequence[Instance]:
+        """Those of ``instances`` a request may go to now (a list ``instances`` itself,
+        unchanged, when none of the set is impaired)."""
+        if not self._impaired:
+            return instances if isinstance(instances, list) else list(instances)
         now = self.clock()
-        return [i for i in instances if i.available(now)]
+        return [i for i in instances if i not in self._impaired or i.available(now)]
 
     def any_ready(self) -> bool:
         return any(i.ready for i in self.by_name.values())

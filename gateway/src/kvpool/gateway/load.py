@@ -13,20 +13,16 @@ prefill tokens not yet answered by a first byte, and a recent-TTFT average.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvpool.gateway.routing import InstanceLoad, PrefixHit
+import numpy as np
+
+from kvpool.gateway.candidates import FloatArray, InstanceLoad, IntArray, PrefixHit
 
 TTFT_EWMA_ALPHA = 0.2
-
-
-@dataclass
-class _Stats:
-    inflight: int = 0
-    queued_prefill_tokens: int = 0
-    ttft_s: float | None = None
 
 
 @dataclass
@@ -40,26 +36,59 @@ class Ticket:
     first_byte: bool = False
     done: bool = False
     first_byte_at: float | None = None
+    slot: int = -1
 
 
 class LoadTracker:
-    """In-flight requests and queued prefill tokens per instance, and a TTFT EWMA."""
+    """In-flight requests and queued prefill tokens per instance, and a TTFT EWMA.
+
+    Kept as arrays indexed by a slot per instance name, so a routing decision reads the loads
+    of a thousand candidates in one fancy-indexing step (:meth:`columns`).
+    """
 
     def __init__(self) -> None:
-        self._stats: dict[str, _Stats] = {}
+        self._slot: dict[str, int] = {}
+        self._inflight: IntArray = np.zeros(16, dtype=np.int64)
+        self._queued: IntArray = np.zeros(16, dtype=np.int64)
+        self._ttft: FloatArray = np.full(16, math.nan, dtype=np.float64)
         self._ids = itertools.count()
 
+    def slot(self, instance: str) -> int:
+        """The instance's position in the load arrays (assigned on first sight)."""
+        slot = self._slot.get(instance)
+        if slot is None:
+            slot = len(self._slot)
+            if slot == len(self._inflight):
+                grow = len(self._inflight)
+                self._inflight = np.concatenate([self._inflight, np.zeros(grow, np.int64)])
+                self._queued = np.concatenate([self._queued, np.zeros(grow, np.int64)])
+                self._ttft = np.concatenate([self._ttft, np.full(grow, math.nan)])
+            self._slot[instance] = slot
+        return slot
+
+    def slots(self, instances: Iterable[str]) -> IntArray:
+        return np.fromiter((self.slot(n) for n in instances), dtype=np.int64)
+
+    def columns(self, slots: IntArray) -> tuple[IntArray, IntArray, FloatArray]:
+        """In-flight, queued prefill tokens and TTFT (NaN: unmeasured) of ``slots``."""
+        return self._inflight[slots], self._queued[slots], self._ttft[slots]
+
     def load(self, instance: str) -> InstanceLoad:
-        s = self._stats.get(instance)
-        if s is None:
+        slot = self._slot.get(instance)
+        if slot is None:
             return InstanceLoad()
-        return InstanceLoad(s.inflight, s.queued_prefill_tokens, s.ttft_s)
+        ttft = float(self._ttft[slot])
+        return InstanceLoad(
+            int(self._inflight[slot]),
+            int(self._queued[slot]),
+            None if math.isnan(ttft) else ttft,
+        )
 
     def start(self, instance: str, prefill_tokens: int, now: float) -> Ticket:
-        s = self._stats.setdefault(instance, _Stats())
-        s.inflight += 1
-        s.queued_prefill_tokens += prefill_tokens
-        return Ticket(next(self._ids), instance, prefill_tokens, now)
+        slot = self.slot(instance)
+        self._inflight[slot] += 1
+        self._queued[slot] += prefill_tokens
+        return Ticket(next(self._ids), instance, prefill_tokens, now, slot=slot)
 
     def first_byte(self, ticket: Ticket, now: float) -> float:
         """Mark the first byte of the answer; returns the TTFT it measured."""
@@ -68,9 +97,10 @@ class LoadTracker:
             return ttft
         ticket.first_byte = True
         ticket.first_byte_at = now
-        s = self._stats.setdefault(ticket.instance, _Stats())
-        s.queued_prefill_tokens = max(0, s.queued_prefill_tokens - ticket.prefill_tokens)
-        s.ttft_s = ttft if s.ttft_s is None else s.ttft_s + TTFT_EWMA_ALPHA * (ttft - s.ttft_s)
+        slot = ticket.slot
+        self._queued[slot] = max(0, int(self._queued[slot]) - ticket.prefill_tokens)
+        prev = float(self._ttft[slot])
+        self._ttft[slot] = ttft if math.isnan(prev) else prev + TTFT_EWMA_ALPHA * (ttft - prev)
         return ttft
 
     def finish(self, ticket: Ticket) -> None:
@@ -78,13 +108,17 @@ class LoadTracker:
         if ticket.done:
             return
         ticket.done = True
-        s = self._stats.setdefault(ticket.instance, _Stats())
-        s.inflight = max(0, s.inflight - 1)
+        slot = ticket.slot
+        self._inflight[slot] = max(0, int(self._inflight[slot]) - 1)
         if not ticket.first_byte:
-            s.queued_prefill_tokens = max(0, s.queued_prefill_tokens - ticket.prefill_tokens)
+            self._queued[slot] = max(0, int(self._queued[slot]) - ticket.prefill_tokens)
 
     def forget(self, instance: str) -> None:
-        self._stats.pop(instance, None)
+        slot = self._slot.get(instance)
+        if slot is not None:
+            self._inflight[slot] = 0
+            self._queued[slot] = 0
+            self._ttft[slot] = math.nan
 
 
 class PendingPrefixes:
@@ -96,13 +130,15 @@ class PendingPrefixes:
     let the next same-prefix request go to a cold instance) and for ``ttl_s`` after its first
     byte, by which time the controller's index has normally caught up; a request that ended
     without an answer drops its entries. An entry without a ticket (a prefetch target) lives
-    ``ttl_s`` from when it was recorded.
+    ``ttl_s`` from when it was recorded. Entries are also indexed by hash, so the pending hits
+    of every instance are found from the prompt's first chunk, not by asking each instance.
     """
 
     def __init__(self, ttl_s: float = 2.0, max_entries: int = 200_000) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple[str, int], tuple[float, Ticket | None]] = OrderedDict()
+        self._by_hash: dict[int, set[str]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -113,11 +149,20 @@ class PendingPrefixes:
         entry = (now + self.ttl_s, ticket)
         for h in hashes:
             key = (instance, h)
-            self._entries.pop(key, None)
+            if self._entries.pop(key, None) is None:
+                self._by_hash.setdefault(h, set()).add(instance)
             self._entries[key] = entry
         self._expire(now)
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            self._drop(self._entries.popitem(last=False)[0])
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        instance, h = key
+        holders = self._by_hash.get(h)
+        if holders is not None:
+            holders.discard(instance)
+            if not holders:
+                del self._by_hash[h]
 
     def _alive(self, entry: tuple[float, Ticket | None], now: float) -> bool:
         expiry, ticket = entry
@@ -131,7 +176,7 @@ class PendingPrefixes:
         while self._entries:
             if self._alive(next(iter(self._entries.values())), now):
                 break
-            self._entries.popitem(last=False)
+            self._drop(self._entries.popitem(last=False)[0])
 
     def hit(self, instance: str, hashes: Sequence[int], now: float) -> int:
         """Leading chunks of ``hashes`` recorded for ``instance`` and still alive."""
@@ -142,6 +187,16 @@ class PendingPrefixes:
                 break
             n += 1
         return n
+
+    def hits(self, hashes: Sequence[int], now: float) -> dict[str, int]:
+        """Every instance with a live pending prefix of ``hashes``: its leading chunks."""
+        if not hashes:
+            return {}
+        holders = self._by_hash.get(hashes[0])
+        if not holders:
+            return {}
+        out = {inst: self.hit(inst, hashes, now) for inst in holders}
+        return {inst: n for inst, n in out.items() if n}
 
 
 def extend_hit(indexed: PrefixHit | None, chunks: int, location: str) -> PrefixHit | None:

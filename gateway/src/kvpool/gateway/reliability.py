@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -35,6 +36,12 @@ class CircuitBreaker:
     opened_at: float = 0.0
     current_cooldown_s: float = 0.0
     trial_in_flight: bool = False
+    #: Called after the state changed (the instance set keeps its list of impaired instances).
+    on_change: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def available(self, now: float) -> bool:
         """Whether a request may be sent now (does not reserve the half-open trial)."""
@@ -50,15 +57,19 @@ class CircuitBreaker:
             return False
         if self.state is BreakerState.OPEN:
             self.state = BreakerState.HALF_OPEN
+            self._changed()
         if self.state is BreakerState.HALF_OPEN:
             self.trial_in_flight = True
         return True
 
     def success(self) -> None:
+        was = self.state
         self.state = BreakerState.CLOSED
         self.failures = 0
         self.current_cooldown_s = 0.0
         self.trial_in_flight = False
+        if was is not BreakerState.CLOSED:
+            self._changed()
 
     def failure(self, now: float) -> None:
         self.failures += 1
@@ -74,6 +85,7 @@ class CircuitBreaker:
         self.state = BreakerState.OPEN
         self.opened_at = now
         self.current_cooldown_s = cooldown
+        self._changed()
 
 
 @dataclass

@@ -3,10 +3,11 @@
 Why this module exists: every policy the gateway offers (kv-aware, session, least-load,
 round-robin) is one small class behind one interface, :class:`Policy`, registered under its
 config name (``spec.gateway.routing.policy``; the names are :mod:`kvpool.protocol.policies`), so
-the serving glue and the fleet simulator only build :class:`Candidate` rows (what each instance
-holds of this prompt and how loaded it is) and ask for a :class:`Decision`. Adding a policy is
-one class with the ``@register`` decorator. The formula of the kv-aware score and its guards is
-written out in ``gateway/README.md``; the code below is its only implementation.
+the serving glue and the fleet simulator only build :class:`Candidates` (what each instance
+holds of this prompt and how loaded it is, column by column) and ask for a :class:`Decision`.
+Adding a policy is one class with the ``@register`` decorator. The formula of the kv-aware score
+and its guards is written out in ``gateway/README.md``; the code below is its only
+implementation.
 
 kv-aware (default)::
 
@@ -20,20 +21,58 @@ kv-aware (default)::
 Guards: an instance is *eligible* only while its in-flight count is at most
 ``max(imbalance_abs + min_inflight, imbalance_ratio * min_inflight)`` (a hot prefix cannot
 pull the whole pool onto one instance); ties go to the session's rendezvous-hash favourite,
-then to the name.
+then to the name. The scores of a thousand instances are computed as arrays (numpy), in the
+same floating-point operations as one at a time.
 """
 
 from __future__ import annotations
 
 import hashlib
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, TypeVar
 
+import numpy as np
+
+from kvpool.gateway.candidates import (
+    BoolArray,
+    Candidate,
+    Candidates,
+    FloatArray,
+    InstanceLoad,
+    PrefixHit,
+)
 from kvpool.protocol.policies import ROUTING_POLICIES
 from kvpool.protocol.tiers import DEFAULT_TIER_WEIGHTS as BACKEND_TIER_WEIGHTS
 from kvpool.protocol.tiers import tier_class
+
+__all__ = [
+    "DEFAULT_TIER_WEIGHTS",
+    "P2P_LOCATION",
+    "PENDING_LOCATION",
+    "POLICIES",
+    "Candidate",
+    "Candidates",
+    "Decision",
+    "Guards",
+    "InstanceLoad",
+    "KvAwarePolicy",
+    "LeastLoadPolicy",
+    "NoCandidateError",
+    "Policy",
+    "PolicySettings",
+    "PrefixHit",
+    "RoundRobinPolicy",
+    "RouteRequest",
+    "Router",
+    "SessionPolicy",
+    "hit_tokens",
+    "make_policy",
+    "register",
+    "rendezvous_rank",
+    "tier_of",
+    "weighted_hit_tokens",
+]
 
 #: Weight of one cached token by the tier class that holds it (see :func:`tier_of`).
 DEFAULT_TIER_WEIGHTS: dict[str, float] = {**BACKEND_TIER_WEIGHTS, "pending": 0.8}
@@ -41,37 +80,13 @@ DEFAULT_TIER_WEIGHTS: dict[str, float] = {**BACKEND_TIER_WEIGHTS, "pending": 0.8
 P2P_LOCATION = "P2PBackend"
 #: The location of chunks routed to an instance moments ago, not yet admitted (gateway only).
 PENDING_LOCATION = "pending"
+#: Scores a decision carries (the best ones), for explanations.
+TOP_SCORES = 8
 
 
 def tier_of(location: str) -> str:
     """The tier class of a location (an LMCache backend name a worker reports, or pending)."""
     return "pending" if location == PENDING_LOCATION else tier_class(location)
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """What one instance holds of the prompt: leading chunks, and how many each tier holds."""
-
-    hit_chunks: int
-    per_location: Mapping[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class InstanceLoad:
-    """How busy an instance is right now (see :class:`kvpool.gateway.load.LoadTracker`)."""
-
-    inflight: int = 0
-    queued_prefill_tokens: int = 0
-    ttft_s: float | None = None  # recent TTFT (EWMA); None until measured
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One instance that may serve the request (healthy, breaker closed)."""
-
-    name: str
-    load: InstanceLoad = InstanceLoad()
-    hit: PrefixHit | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +100,8 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class Decision:
-    """The chosen instance, the reason (a metric label) and the hit it is expected to get."""
+    """The chosen instance, the reason (a metric label), the hit it is expected to get, and
+    the best candidates' scores (at most :data:`TOP_SCORES`, the chosen one included)."""
 
     instance: str
     reason: str
@@ -107,10 +123,10 @@ class Policy(Protocol):
     name: ClassVar[str]
     uses_index: ClassVar[bool]
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision: ...
+    def choose(self, request: RouteRequest, candidates: Candidates) -> Decision: ...
 
 
-def _check(candidates: Sequence[Candidate]) -> None:
+def _check(candidates: Candidates) -> None:
     if not candidates:
         raise NoCandidateError("no instance is available")
 
@@ -173,10 +189,11 @@ class Guards:
     imbalance_abs: int = 8
     imbalance_ratio: float = 1.5
 
-    def eligible(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        low = min(c.load.inflight for c in candidates)
+    def eligible(self, candidates: Candidates) -> BoolArray:
+        """A boolean mask of the eligible candidates (the least loaded always is)."""
+        low = int(candidates.inflight.min())
         cap = max(low + self.imbalance_abs, self.imbalance_ratio * low)
-        return [c for c in candidates if c.load.inflight <= cap]
+        return candidates.inflight <= cap
 
 
 DEFAULT_GUARDS = Guards()
@@ -207,6 +224,31 @@ def register(cls: _P) -> _P:
     return cls
 
 
+def _tie_break(session: str | None, names: Sequence[str], tied: Sequence[int]) -> int:
+    """Among tied positions: the session's rendezvous favourite, else the smallest name."""
+    if len(tied) == 1:
+        return tied[0]
+    if session:
+        first = rendezvous_rank(session, [names[i] for i in tied])[0]
+        return next(i for i in tied if names[i] == first)
+    return min(tied, key=lambda i: names[i])
+
+
+def _best(scores: FloatArray, mask: BoolArray, session: str | None, names: Sequence[str]) -> int:
+    """Position of the highest score among ``mask``, ties broken by :func:`_tie_break`."""
+    top = scores[mask].max()
+    tied = np.flatnonzero(mask & (scores == top))
+    return _tie_break(session, names, [int(i) for i in tied])
+
+
+def _top_scores(scores: FloatArray, names: Sequence[str], chosen: int) -> dict[str, float]:
+    k = min(TOP_SCORES, len(names))
+    best = np.argpartition(-scores, k - 1)[:k] if k < len(names) else np.arange(len(names))
+    out = {names[int(i)]: float(scores[i]) for i in best}
+    out[names[chosen]] = float(scores[chosen])
+    return out
+
+
 @register
 class KvAwarePolicy:
     """Cached prefix (tier-weighted) against load; see the module docstring."""
@@ -230,41 +272,45 @@ class KvAwarePolicy:
     def from_settings(cls, s: PolicySettings) -> KvAwarePolicy:
         return cls(s.prefix_weight, s.load_weight, guards=s.guards)
 
-    def load_cost(self, c: Candidate, chunk_size: int, median_ttft: float | None) -> float:
-        tokens = c.load.queued_prefill_tokens + chunk_size * c.load.inflight
-        slow = 1.0
-        if median_ttft and c.load.ttft_s is not None:
-            slow = min(2.0, max(0.5, c.load.ttft_s / median_ttft))
-        return tokens * slow
+    def cached(self, request: RouteRequest, c: Candidates) -> FloatArray:
+        """H_i for every candidate (tier-weighted cached prefix tokens)."""
+        h: FloatArray = np.zeros(len(c), dtype=np.float64)
+        args = (request.chunk_size, request.prompt_tokens, self.tier_weights)
+        for positions, hit in c.shared:
+            h[positions] = weighted_hit_tokens(hit, *args)
+        for i, hit in c.hits.items():
+            h[i] = weighted_hit_tokens(hit, *args)
+        return h
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+    def load_cost(self, request: RouteRequest, c: Candidates) -> FloatArray:
+        """L_i for every candidate."""
+        tokens = c.queued + request.chunk_size * c.inflight
+        known = ~np.isnan(c.ttft)
+        slow: FloatArray = np.ones(len(c), dtype=np.float64)
+        if known.any():
+            median = float(np.median(c.ttft[known]))
+            if median:
+                slow[known] = np.clip(c.ttft[known] / median, 0.5, 2.0)
+        cost: FloatArray = tokens * slow
+        return cost
+
+    def choose(self, request: RouteRequest, candidates: Candidates) -> Decision:
         _check(candidates)
-        ttfts = [c.load.ttft_s for c in candidates if c.load.ttft_s is not None]
-        median = statistics.median(ttfts) if ttfts else None
-        scores: dict[str, float] = {}
-        for c in candidates:
-            cached = weighted_hit_tokens(
-                c.hit, request.chunk_size, request.prompt_tokens, self.tier_weights
-            )
-            cost = self.load_cost(c, request.chunk_size, median)
-            scores[c.name] = self.prefix_weight * cached - self.load_weight * cost
-        eligible = self.guards.eligible(candidates)
-        order = {n: i for i, n in enumerate(_tie_order(request.session, candidates))}
-        best = max(eligible, key=lambda c: (scores[c.name], -order[c.name]))
-        unguarded = max(candidates, key=lambda c: (scores[c.name], -order[c.name]))
-        cached = hit_tokens(best.hit, request.chunk_size, request.prompt_tokens)
-        if unguarded.name != best.name and scores[unguarded.name] > scores[best.name]:
+        c = candidates
+        scores: FloatArray = self.prefix_weight * self.cached(request, c) - (
+            self.load_weight * self.load_cost(request, c)
+        )
+        everyone = np.ones(len(c), dtype=bool)
+        best = _best(scores, self.guards.eligible(c), request.session, c.names)
+        unguarded = _best(scores, everyone, request.session, c.names)
+        cached = hit_tokens(c.hit(best), request.chunk_size, request.prompt_tokens)
+        if unguarded != best and scores[unguarded] > scores[best]:
             reason = "imbalance-guard"
         elif cached > 0:
             reason = "kv-hit"
         else:
             reason = "kv-miss-least-load"
-        return Decision(best.name, reason, cached, scores)
-
-
-def _tie_order(session: str | None, candidates: Sequence[Candidate]) -> list[str]:
-    names = sorted(c.name for c in candidates)
-    return rendezvous_rank(session, names) if session else names
+        return Decision(c.names[best], reason, cached, _top_scores(scores, c.names, best))
 
 
 @register
@@ -284,18 +330,19 @@ class SessionPolicy:
     def from_settings(cls, s: PolicySettings) -> SessionPolicy:
         return cls(s.guards)
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+    def choose(self, request: RouteRequest, candidates: Candidates) -> Decision:
         _check(candidates)
+        c = candidates
         if not request.session:
-            d = self._fallback.choose(request, candidates)
+            d = self._fallback.choose(request, c)
             return Decision(d.instance, "no-session-least-load", d.predicted_hit_tokens)
-        by_name = {c.name: c for c in candidates}
-        eligible = {c.name for c in self.guards.eligible(candidates)}
-        ranked = rendezvous_rank(request.session, sorted(by_name))
-        for position, name in enumerate(ranked):
-            if name in eligible:
-                reason = "session" if position == 0 else "session-imbalance-guard"
-                hit = hit_tokens(by_name[name].hit, request.chunk_size, request.prompt_tokens)
+        eligible = self.guards.eligible(c)
+        position = {name: i for i, name in enumerate(c.names)}
+        for rank, name in enumerate(rendezvous_rank(request.session, sorted(c.names))):
+            i = position[name]
+            if eligible[i]:
+                reason = "session" if rank == 0 else "session-imbalance-guard"
+                hit = hit_tokens(c.hit(i), request.chunk_size, request.prompt_tokens)
                 return Decision(name, reason, hit)
         raise NoCandidateError("no eligible instance")  # unreachable: the least loaded is
 
@@ -311,19 +358,17 @@ class LeastLoadPolicy:
     def from_settings(cls, s: PolicySettings) -> LeastLoadPolicy:
         return cls()
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+    def choose(self, request: RouteRequest, candidates: Candidates) -> Decision:
         _check(candidates)
-        best = min(
-            candidates,
-            key=lambda c: (
-                c.load.inflight,
-                c.load.queued_prefill_tokens,
-                c.load.ttft_s if c.load.ttft_s is not None else 0.0,
-                c.name,
-            ),
-        )
-        hit = hit_tokens(best.hit, request.chunk_size, request.prompt_tokens)
-        return Decision(best.name, "least-load", hit)
+        c = candidates
+        left = np.flatnonzero(c.inflight == c.inflight.min())
+        queued = c.queued[left]
+        left = left[queued == queued.min()]
+        ttft = np.nan_to_num(c.ttft[left], nan=0.0)
+        left = left[ttft == ttft.min()]
+        best = min((int(i) for i in left), key=lambda i: c.names[i])
+        hit = hit_tokens(c.hit(best), request.chunk_size, request.prompt_tokens)
+        return Decision(c.names[best], "least-load", hit)
 
 
 @register
@@ -340,13 +385,14 @@ class RoundRobinPolicy:
     def from_settings(cls, s: PolicySettings) -> RoundRobinPolicy:
         return cls()
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+    def choose(self, request: RouteRequest, candidates: Candidates) -> Decision:
         _check(candidates)
-        ordered = sorted(candidates, key=lambda c: c.name)
+        c = candidates
+        ordered = sorted(range(len(c)), key=lambda i: c.names[i])
         pick = ordered[self._next % len(ordered)]
         self._next += 1
-        hit = hit_tokens(pick.hit, request.chunk_size, request.prompt_tokens)
-        return Decision(pick.name, "round-robin", hit)
+        hit = hit_tokens(c.hit(pick), request.chunk_size, request.prompt_tokens)
+        return Decision(c.names[pick], "round-robin", hit)
 
 
 def make_policy(name: str, settings: PolicySettings | None = None) -> Policy:
@@ -371,9 +417,7 @@ class Router:
         self._session = SessionPolicy(guards)
         self._least = LeastLoadPolicy()
 
-    def route(
-        self, request: RouteRequest, candidates: Sequence[Candidate], *, index_ok: bool
-    ) -> Decision:
+    def route(self, request: RouteRequest, candidates: Candidates, *, index_ok: bool) -> Decision:
         if index_ok or not self.policy.uses_index:
             return self.policy.choose(request, candidates)
         if request.session:

@@ -12,7 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
+import numpy as np
+
+from kvpool.gateway.candidates import IntArray
 from kvpool.gateway.errors import upstream_error
 from kvpool.gateway.index_client import IndexClient
 from kvpool.gateway.instances import Instance, InstanceSet
@@ -21,7 +25,7 @@ from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.proxy import Attempt
 from kvpool.gateway.routing import (
     P2P_LOCATION,
-    Candidate,
+    Candidates,
     Decision,
     PrefixHit,
     Router,
@@ -39,6 +43,31 @@ class Prompt:
 
 
 @dataclass
+class _PoolColumns:
+    """A list of instances as the columns a routing decision needs (names, load slots, and on
+    demand their positions and P2P groups)."""
+
+    instances: Sequence[Instance]
+    names: list[str]
+    slots: IntArray
+    _position: dict[str, int] | None = None
+    _groups: np.ndarray[Any, np.dtype[Any]] | None = None
+
+    def position(self) -> dict[str, int]:
+        if self._position is None:
+            self._position = {name: i for i, name in enumerate(self.names)}
+        return self._position
+
+    def groups(self) -> np.ndarray[Any, np.dtype[Any]]:
+        """Each instance's P2P group ("" for PD roles), as an object array."""
+        if self._groups is None:
+            self._groups = np.array(
+                [i.group if i.role == "peer" else "" for i in self.instances], dtype=object
+            )
+        return self._groups
+
+
+@dataclass
 class Selector:
     """Chooses instances for requests (and records what it chose)."""
 
@@ -50,6 +79,7 @@ class Selector:
     metrics: GatewayMetrics
     chunk_size: int
     clock: Callable[[], float] = time.monotonic
+    _columns: _PoolColumns | None = None
 
     async def hits(self, prompt: Prompt) -> dict[str, PrefixHit] | None:
         return await self.index.prefix_hits(prompt.hashes)
@@ -60,21 +90,54 @@ class Selector:
         prompt: Prompt,
         hits: dict[str, PrefixHit] | None,
         exclude: set[str],
-    ) -> list[Candidate]:
+    ) -> Candidates:
+        """The available instances of ``pool`` (not in ``exclude``) with their loads and what
+        each holds of the prompt: its own index hit and pending entries, and, for a P2P group
+        member, the longest prefix any member of its group holds (it can pull it)."""
         now = self.clock()
+        avail = self.instances.available(pool)
+        if exclude:
+            avail = [i for i in avail if i.name not in exclude]
+        static = self._static(avail)
+        names = static.names
+        inflight, queued, ttft = self.load.columns(static.slots)
         hits = hits or {}
+        pending = self.pending.hits(prompt.hashes, now)
         group_best = self._group_best(hits)
-        out: list[Candidate] = []
-        for inst in self.instances.available(pool):
-            if inst.name in exclude:
-                continue
-            hit = merge_pending(
-                hits.get(inst.name), self.pending.hit(inst.name, prompt.hashes, now)
-            )
-            if inst.role == "peer":  # P2P: a peer's chunks can be pulled (tier p2p)
-                hit = extend_hit(hit, group_best.get(inst.group, 0), P2P_LOCATION)
-            out.append(Candidate(inst.name, self.load.load(inst.name), hit))
-        return out
+        sparse: dict[int, PrefixHit] = {}
+        if hits or pending:
+            position = static.position()
+            for name in hits.keys() | pending.keys():
+                i = position.get(name)
+                if i is None:
+                    continue
+                hit = merge_pending(hits.get(name), pending.get(name, 0))
+                if avail[i].role == "peer":  # P2P: a peer's chunks can be pulled (tier p2p)
+                    hit = extend_hit(hit, group_best.get(avail[i].group, 0), P2P_LOCATION)
+                if hit is not None:
+                    sparse[i] = hit
+        shared: list[tuple[IntArray, PrefixHit]] = []
+        if group_best:
+            groups = static.groups()
+            for group, best in group_best.items():
+                members = [int(i) for i in np.flatnonzero(groups == group) if int(i) not in sparse]
+                if members:
+                    hit = PrefixHit(best, {P2P_LOCATION: best})
+                    shared.append((np.array(members, dtype=np.int64), hit))
+        return Candidates(names, inflight, queued, ttft, sparse, shared)
+
+    def _static(self, avail: Sequence[Instance]) -> _PoolColumns:
+        """What does not change from request to request for this list of instances (cached
+        while the same list object comes back: the instance set's peers, all available)."""
+        cached = self._columns
+        if cached is not None and cached.instances is avail:
+            return cached
+        columns = _PoolColumns(
+            avail, [i.name for i in avail], self.load.slots(i.name for i in avail)
+        )
+        if avail is self.instances.peers():
+            self._columns = columns
+        return columns
 
     def _group_best(self, hits: dict[str, PrefixHit]) -> dict[str, int]:
         """Per P2P group, the longest prefix one of its peers holds (one pass over the hits,
@@ -90,16 +153,18 @@ class Selector:
                 best[inst.group] = hit.hit_chunks
         return best
 
-    async def choose(
+    def decide(
         self,
         pool: Sequence[Instance],
         prompt: Prompt,
+        hits: dict[str, PrefixHit] | None,
         exclude: set[str],
         role: str = "serve",
         reason: str | None = None,
     ) -> tuple[Instance, Decision]:
-        """The instance for this attempt; 503 when none of ``pool`` can take it."""
-        hits = await self.hits(prompt)
+        """The decision for ``hits`` (None: the index cannot be trusted), recorded in the
+        metrics and the pending prefixes; 503 when none of ``pool`` can take it. No I/O: the
+        fleet simulator calls this with hits from its own index."""
         cands = self.candidates(pool, prompt, hits, exclude)
         if not cands:
             self.metrics.rejections.labels("no_instance").inc()
@@ -119,6 +184,18 @@ class Selector:
         self.metrics.prompt_tokens.labels(inst.name).inc(prompt.tokens)
         self.pending.record(inst.name, prompt.hashes, self.clock())
         return inst, decision
+
+    async def choose(
+        self,
+        pool: Sequence[Instance],
+        prompt: Prompt,
+        exclude: set[str],
+        role: str = "serve",
+        reason: str | None = None,
+    ) -> tuple[Instance, Decision]:
+        """The instance for this attempt: the index's hits, then :meth:`decide`."""
+        hits = await self.hits(prompt)
+        return self.decide(pool, prompt, hits, exclude, role, reason)
 
     def admit(self, inst: Instance, prompt: Prompt, decision: Decision) -> Attempt:
         """Count the request against ``inst`` (uncached prompt tokens are queued prefill)."""
