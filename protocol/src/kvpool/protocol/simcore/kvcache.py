@@ -204,9 +204,10 @@ class DeviceCache:
                 events.append(KvEvent("admit", DEVICE, key))
 
     def release(self, keys: Sequence[int], anonymous_blocks: int) -> None:
-        """A request ended: its ready chunks stay cached (idle, most recently used last); a
-        chunk it held that was never computed is freed."""
-        for key in dict.fromkeys(keys):
+        """A request ended: its ready chunks stay cached (idle); a chunk it held that was never
+        computed is freed. As vLLM frees a request's blocks, the tail goes first: the last
+        chunk becomes the least recently used, so a shared prefix outlives its extensions."""
+        for key in reversed(dict.fromkeys(keys)):
             count = self._refs.get(key)
             if count is None:
                 continue
