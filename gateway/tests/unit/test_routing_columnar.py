@@ -186,3 +186,28 @@ def test_selector_candidates_equal_the_per_instance_construction(
         want = merge_pending(hits.get(name), pending.get(names.index(name), 0))
         want = extend_hit(want, best[group], P2P_LOCATION)
         assert table.hit(i) == want, name
+
+
+def test_a_group_without_p2p_credits_no_peer_hits() -> None:
+    """P2PGroup spec.p2p false: members do not pull from each other, so only the holder is
+    credited its hit."""
+    raw = {
+        "model": "m",
+        "chunkSize": CHUNK,
+        "controllerUrl": "http://127.0.0.1:9",
+        "p2pGroups": [
+            {
+                "name": "fleet",
+                "p2p": False,
+                "instances": [{"name": n, "url": f"http://127.0.0.1:1/{n}"} for n in "abc"],
+            }
+        ],
+    }
+    state = build_state(parse_config(raw))
+    for inst in state.instances:
+        inst.ready = True
+    hits = {"a": PrefixHit(4, {"LocalCPUBackend": 4})}
+    table = state.selector.candidates(
+        state.instances.peers(), Prompt(2048, tuple(range(8)), None), hits, set()
+    )
+    assert [table.hit(i) for i in range(3)] == [hits["a"], None, None]

@@ -50,6 +50,9 @@ class InstanceRef(_Model):
 class P2PGroupConfig(_Model):
     name: str
     instances: list[InstanceRef]
+    p2p: bool = Field(
+        True, description="members pull each other's KV (P2PGroup spec.p2p): credit peers' hits"
+    )
 
 
 class DecodeRef(InstanceRef):

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -31,6 +31,7 @@ from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.routing import PrefixHit
 from kvpool.protocol import deltas as dl
 from kvpool.protocol.domain import split_instance_id
+from kvpool.protocol.index import InstanceHit
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +112,7 @@ class IndexClient:
         if not hashes:
             return {} if self.usable else None
         if self.in_sync:
-            raw = self.replica.prefix_hits(hashes)
-            return _by_name((iid, h.hit_chunks, h.per_location) for iid, h in raw.items())
+            return hits_by_name(self.replica.prefix_hits(hashes))
         if not self.controller_up:
             return None
         try:
@@ -250,6 +250,12 @@ class IndexClient:
             with contextlib.suppress(Exception):
                 self._ctx.destroy(linger=0)
             self._ctx = None
+
+
+def hits_by_name(raw: Mapping[str, InstanceHit]) -> dict[str, PrefixHit]:
+    """An index's answer (kvpool.protocol.index) as the router takes it: one hit per
+    configured instance name. The fleet simulator asks its own index through this too."""
+    return _by_name((iid, h.hit_chunks, h.per_location) for iid, h in raw.items())
 
 
 def _by_name(rows: Any) -> dict[str, PrefixHit]:

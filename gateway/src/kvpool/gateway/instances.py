@@ -36,6 +36,7 @@ class Instance:
     url: str
     role: Role
     group: str
+    pulls: bool = False  # a P2P group member that can pull what its group's members hold
     last_error: str | None = None
     probe_failures: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
@@ -92,7 +93,8 @@ class InstanceSet:
         out: list[Instance] = []
         for group in config.p2p_groups:
             out += [
-                Instance(i.name, i.url.rstrip("/"), "peer", group.name) for i in group.instances
+                Instance(i.name, i.url.rstrip("/"), "peer", group.name, pulls=group.p2p)
+                for i in group.instances
             ]
         for pair in config.pd_pairs:
             out += [Instance(i.name, i.url.rstrip("/"), "prefill", pair.name) for i in pair.prefill]

@@ -59,10 +59,11 @@ class _PoolColumns:
         return self._position
 
     def groups(self) -> np.ndarray[Any, np.dtype[Any]]:
-        """Each instance's P2P group ("" for PD roles), as an object array."""
+        """Each instance's P2P group ("" when it cannot pull: PD roles, p2p: false), as an
+        object array."""
         if self._groups is None:
             self._groups = np.array(
-                [i.group if i.role == "peer" else "" for i in self.instances], dtype=object
+                [i.group if i.pulls else "" for i in self.instances], dtype=object
             )
         return self._groups
 
@@ -112,7 +113,7 @@ class Selector:
                 if i is None:
                     continue
                 hit = merge_pending(hits.get(name), pending.get(name, 0))
-                if avail[i].role == "peer":  # P2P: a peer's chunks can be pulled (tier p2p)
+                if avail[i].pulls:  # P2P: a peer's chunks can be pulled (tier p2p)
                     hit = extend_hit(hit, group_best.get(avail[i].group, 0), P2P_LOCATION)
                 if hit is not None:
                     sparse[i] = hit
@@ -145,11 +146,7 @@ class Selector:
         best: dict[str, int] = {}
         for name, hit in hits.items():
             inst = self.instances.by_name.get(name)
-            if (
-                inst is not None
-                and inst.role == "peer"
-                and hit.hit_chunks > best.get(inst.group, 0)
-            ):
+            if inst is not None and inst.pulls and hit.hit_chunks > best.get(inst.group, 0):
                 best[inst.group] = hit.hit_chunks
         return best
 
