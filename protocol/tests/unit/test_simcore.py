@@ -174,6 +174,20 @@ def test_device_cache_keeps_finished_prefixes_until_room_is_needed() -> None:
     assert dev.match([1, 2]) == 1
 
 
+def test_a_reused_idle_chunk_stays_cached_and_is_not_admitted_again() -> None:
+    """A request reusing idle cached chunks holds them ready: no second device admit (vLLM
+    publishes BlockStored once), and a concurrent request still hits them."""
+    dev = DeviceCache(capacity_blocks=16, blocks_per_chunk=2)
+    events: list[KvEvent] = []
+    dev.acquire([1, 2], 0, events)
+    dev.mark_ready([1, 2], events)
+    dev.release([1, 2], 0)
+    dev.acquire([1, 2, 3], 0, events)
+    assert dev.match([1, 2, 3]) == 2
+    dev.mark_ready([1, 2, 3], events)
+    assert [(e.op, e.key) for e in events] == [("admit", 1), ("admit", 2), ("admit", 3)]
+
+
 # ---------------------------------------------------------------------- scheduling
 def test_one_request_costs_exactly_the_profile() -> None:
     """48 prompt tokens in one 64-token step, then 2 decode steps."""

@@ -186,9 +186,10 @@ class DeviceCache:
         """Hold ``keys`` and ``anonymous_blocks`` for a request (call :meth:`fits` first);
         idle chunks are reclaimed least recently used first to make room."""
         for key in dict.fromkeys(keys):
-            if key in self._idle:
+            if key in self._idle:  # a cached chunk reused: its KV exists (no new admit)
                 del self._idle[key]
                 self._refs[key] = 1
+                self._ready.add(key)
             else:
                 self._refs[key] = self._refs.get(key, 0) + 1
         self._anonymous += anonymous_blocks
