@@ -73,7 +73,7 @@ class Selector:
     """Chooses instances for requests (and records what it chose)."""
 
     instances: InstanceSet
-    index: IndexClient
+    index: IndexClient | None  # None: the caller brings the hits (the fleet simulator)
     router: Router
     load: LoadTracker
     pending: PendingPrefixes
@@ -83,6 +83,8 @@ class Selector:
     _columns: _PoolColumns | None = None
 
     async def hits(self, prompt: Prompt) -> dict[str, PrefixHit] | None:
+        if self.index is None:
+            return None
         return await self.index.prefix_hits(prompt.hashes)
 
     def candidates(
@@ -158,10 +160,13 @@ class Selector:
         exclude: set[str],
         role: str = "serve",
         reason: str | None = None,
+        *,
+        record: bool = True,
     ) -> tuple[Instance, Decision]:
         """The decision for ``hits`` (None: the index cannot be trusted), recorded in the
-        metrics and the pending prefixes; 503 when none of ``pool`` can take it. No I/O: the
-        fleet simulator calls this with hits from its own index."""
+        metrics and (``record``) the pending prefixes, which :meth:`admit` records anyway;
+        503 when none of ``pool`` can take it. No I/O: the fleet simulator calls this with hits
+        from its own index."""
         cands = self.candidates(pool, prompt, hits, exclude)
         if not cands:
             self.metrics.rejections.labels("no_instance").inc()
@@ -179,7 +184,8 @@ class Selector:
         self.metrics.decisions.labels(decision.reason, inst.name).inc()
         self.metrics.predicted_hit_tokens.labels(inst.name).inc(decision.predicted_hit_tokens)
         self.metrics.prompt_tokens.labels(inst.name).inc(prompt.tokens)
-        self.pending.record(inst.name, prompt.hashes, self.clock())
+        if record:
+            self.pending.record(inst.name, prompt.hashes, self.clock())
         return inst, decision
 
     async def choose(
@@ -189,10 +195,12 @@ class Selector:
         exclude: set[str],
         role: str = "serve",
         reason: str | None = None,
+        *,
+        record: bool = True,
     ) -> tuple[Instance, Decision]:
         """The instance for this attempt: the index's hits, then :meth:`decide`."""
         hits = await self.hits(prompt)
-        return self.decide(pool, prompt, hits, exclude, role, reason)
+        return self.decide(pool, prompt, hits, exclude, role, reason, record=record)
 
     def admit(self, inst: Instance, prompt: Prompt, decision: Decision) -> Attempt:
         """Count the request against ``inst`` (uncached prompt tokens are queued prefill)."""
@@ -210,5 +218,5 @@ class Selector:
         exclude: set[str],
         reason: str | None = None,
     ) -> Attempt:
-        inst, decision = await self.choose(pool, prompt, exclude, reason=reason)
+        inst, decision = await self.choose(pool, prompt, exclude, reason=reason, record=False)
         return self.admit(inst, prompt, decision)
