@@ -3,7 +3,8 @@
 Why this module exists: each arm of the routing benchmark (our gateway kv-affinity, our
 round-robin, sglang-router cache_aware) is the same client doing the same thing: sessions
 run concurrently (at most ``concurrency`` at once, in trace order), each session's turns one
-after the other, every request a streamed chat completion. TTFT is the time from sending the
+after the other, every request a streamed chat completion. The client is the product's
+(``kvpool-gateway replay``'s :mod:`kvpool.gateway.loadgen`): TTFT is the time from sending the
 request to the first SSE event carrying content; hits come from the worker's own ``usage``
 (``prompt_tokens_details.cached_tokens``: prompt tokens whose KV LMCache supplied). Between
 arms ``clear_workers`` evicts every prompt of the trace from every worker and waits until
@@ -13,75 +14,29 @@ cold.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import re
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import httpx
-from agent_trace import Request, Trace
 
-
-@dataclass
-class Result:
-    session: str
-    turn: int
-    ttft_s: float
-    latency_s: float
-    prompt_tokens: int
-    cached_tokens: int
-
-
-async def _one(client: httpx.AsyncClient, url: str, req: Request, model: str) -> Result:
-    t0 = time.perf_counter()
-    ttft: float | None = None
-    usage: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=req.body(model)) as resp:
-        if resp.status_code != 200:
-            body = (await resp.aread()).decode(errors="replace")[:300]
-            raise RuntimeError(f"{url}: {req.session} turn {req.turn}: {resp.status_code} {body}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if ttft is None and any(
-                (c.get("delta") or {}).get("content") for c in event.get("choices", [])
-            ):
-                ttft = time.perf_counter() - t0
-            usage = event.get("usage") or usage
-    total = time.perf_counter() - t0
-    if ttft is None or not usage:
-        raise RuntimeError(f"{url}: {req.session} turn {req.turn}: no content or no usage")
-    return Result(
-        req.session,
-        req.turn,
-        ttft,
-        total,
-        int(usage["prompt_tokens"]),
-        int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-    )
+from kvpool.gateway.loadgen import Endpoint, Outcome, Replay
+from kvpool.gateway.promscrape import sample_sums
+from kvpool.gateway.replay_plan import Loaded, make_jobs
+from kvpool.gateway.traces.agent import Trace
 
 
 async def replay(
     url: str, trace: Trace, model: str, concurrency: int
-) -> tuple[list[Result], float]:
-    """Every request of ``trace`` through ``url``; returns the results and the wall time."""
-    gate = asyncio.Semaphore(concurrency)
-    results: list[Result] = []
-    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-
-        async def session(reqs: tuple[Request, ...]) -> None:
-            async with gate:
-                for r in reqs:
-                    results.append(await _one(client, url, r, model))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(session(s.requests) for s in trace.sessions))
-        wall = time.perf_counter() - t0
-    return results, wall
+) -> tuple[list[Outcome], float]:
+    """Every request of ``trace`` through ``url``, ``concurrency`` sessions at once; returns
+    the outcomes (each with usage: a failure raises) and the wall time."""
+    jobs = make_jobs(Loaded(url, "agent", trace.requests), None, model)
+    endpoint = Endpoint(url, timeout_s=300, concurrency=concurrency, max_sessions=concurrency)
+    run = await Replay(endpoint, jobs).run()
+    for o in run.outcomes:
+        if not o.ok or o.prompt_tokens is None:
+            why = f"{o.error}: {o.detail[:300]}" if not o.ok else "no usage"
+            raise RuntimeError(f"{url}: request {o.index} (session {o.session}): {why}")
+    return run.outcomes, run.duration_s
 
 
 def tokenize_all(worker_url: str, trace: Trace) -> list[list[int]]:
@@ -109,13 +64,8 @@ def worker_counters(worker_urls: list[str]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     with httpx.Client(timeout=10) as client:
         for url in worker_urls:
-            text = client.get(f"{url}/metrics").text
-            out[url] = {
-                key: sum(
-                    float(v) for v in re.findall(rf"^{metric}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-                )
-                for key, metric in COUNTERS.items()
-            }
+            sums = sample_sums(client.get(f"{url}/metrics").text)
+            out[url] = {key: sums.get(metric, 0.0) for key, metric in COUNTERS.items()}
     return out
 
 

@@ -11,7 +11,8 @@ trace and the same load generator, in one run on this noisy box.
    (``overhead.py``, ``loadgen.py``). Tokenization apart: the gateway's own tokenize path at
    1K/8K/32K tokens, in process.
 2. Routing quality. The three reference workers of ``pool.yaml`` start (real LMCache, our
-   controller, the operator's render run locally). The agent trace (``agent_trace.py``) is
+   controller, the operator's render run locally). The agent trace
+   (``kvpool.gateway.traces.agent``, replayed by the product's client: ``replay.py``) is
    replayed through (a) our gateway with the pool's kv-aware policy, (b) our gateway rendered
    with round-robin, (c) sglang-router ``cache_aware``; every worker's LMCache and the
    controller's index are emptied between arms (``replay.clear_workers``); a full run replays
@@ -42,12 +43,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import agent_trace
 import domain
 import overhead
 import replay
 import tokenize_bench
 from domain import log
+
+from kvpool.gateway.loadgen import Outcome
+from kvpool.gateway.traces import agent as agent_trace
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("kvpool", "kvpool_round_robin", "sglang_cache_aware")
@@ -120,10 +123,10 @@ def merge_passes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 def summarize_arm(a: dict[str, Any]) -> dict[str, float]:
     """Hit ratios (all hits, and local ones: not pulled from a peer), TTFT percentiles,
     throughput and the busiest worker's share of the prompt tokens (per pass, averaged)."""
-    res: list[replay.Result] = a["results"]
-    ttft = [r.ttft_s * 1e3 for r in res]
-    prompt = sum(r.prompt_tokens for r in res)
-    cached = sum(r.cached_tokens for r in res)
+    res: list[Outcome] = a["results"]
+    ttft = [(r.ttft_s or 0.0) * 1e3 for r in res]
+    prompt = sum(r.prompt_tokens or 0 for r in res)
+    cached = sum(r.cached_tokens or 0 for r in res)
     p2p = min(cached, a["p2p_tokens"])  # whole chunks counted: an upper bound of P2P tokens
     return {
         "hit_ratio": cached / prompt,
@@ -235,7 +238,7 @@ def plot(arms: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for name in ARMS:
-        ttft = sorted(r.ttft_s * 1e3 for r in arms[name]["results"])
+        ttft = sorted((r.ttft_s or 0.0) * 1e3 for r in arms[name]["results"])
         ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
         ax.step(ttft, ys, where="post", label=ARM_LABEL[name])
     ax.set_xscale("log")
@@ -331,7 +334,7 @@ def main() -> int:
             "arm_order": routing["order"],
             "loadavg_1m_start_end": routing["loadavg_1m_start_end"],
             "ttft_ms": {
-                n: [round(r.ttft_s * 1e3, 1) for r in a["results"]]
+                n: [round((r.ttft_s or 0.0) * 1e3, 1) for r in a["results"]]
                 for n, a in routing["arms"].items()
             },
             "overhead": over,

@@ -16,11 +16,10 @@ import statistics
 import time
 from typing import Any
 
-from agent_trace import filler
-
 from kvpool.gateway.config import parse_config
 from kvpool.gateway.instances import probe_all
 from kvpool.gateway.state import build_state
+from kvpool.gateway.traces.agent import filler
 
 SIZES = {"1k": 1024, "8k": 8192, "32k": 32768}
 

@@ -1,34 +1,20 @@
-"""The gateway benchmark's agent trace (gateway/bench/agent_trace.py): determinism and shape.
+"""kvpool's agent trace (kvpool.gateway.traces.agent): determinism, shape, timing, files.
 
-Pure code only (no processes, no clock, no timed assertion): the routing benchmark is only
-comparable across routers and runs if the trace is the same every time and has the sharing
-structure it claims (a tenant's sessions share its system prompt; a turn extends the previous
-turn; RAG turns carry the tenant's documents in a per-request order).
+Pure code only (no processes, no clock, no timed assertion): the routing benchmark and
+``kvpool-gateway replay`` are only comparable across routers and runs if the trace is the same
+every time and has the sharing structure it claims (a tenant's sessions share its system prompt;
+a turn extends the previous turn; RAG turns carry the tenant's documents in a per-request order).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "agent_trace.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvpool_gateway_bench_agent_trace", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-tr = _load()
+from kvpool.gateway.traces import TraceError, Window
+from kvpool.gateway.traces import agent as tr
 
 
 def test_same_seed_same_trace_other_seed_other_trace() -> None:
@@ -98,3 +84,49 @@ def test_bad_config_names_the_field() -> None:
         tr.TraceConfig(turns=0)
     with pytest.raises(ValueError, match="docs_per_turn"):
         tr.TraceConfig(docs_per_tenant=2, docs_per_turn=3)
+
+
+def test_requests_carry_replay_order_and_session_start_times() -> None:
+    trace = tr.generate(tr.TraceConfig(tenants=2, sessions_per_tenant=2, turns=2,
+                                       session_interval_ms=250))  # fmt: skip
+    reqs = trace.requests
+    assert [r.index for r in reqs] == list(range(len(reqs)))
+    for k, s in enumerate(trace.sessions):
+        assert {r.arrival_s for r in s.requests} == {k * 0.25}
+
+
+def test_file_round_trip_and_window(tmp_path: Path) -> None:
+    trace = tr.generate(tr.TraceConfig(tenants=2, turns=2, session_interval_ms=1000))
+    path = tmp_path / "agent.jsonl"
+    path.write_text("".join(tr.dump_row(r) + "\n" for r in trace.requests))
+    back = tr.read_agent(path)
+    assert [(r.session, r.turn, r.messages, r.max_tokens, r.arrival_s) for r in back] == [
+        (r.session, r.turn, r.messages, r.max_tokens, r.arrival_s) for r in trace.requests
+    ]
+    assert [r.line for r in back] == list(range(1, len(back) + 1))
+    win = Window(start=1, count=2, from_s=1.0)
+    assert [r.index for r in tr.read_agent(path, win)] == [r.index for r in tr.windowed(trace, win)]
+    assert all(r.arrival_s >= 1.0 for r in tr.read_agent(path, win))
+
+
+def test_bad_agent_row_names_line_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    good = tr.dump_row(tr.generate(tr.TraceConfig()).requests[0])
+    path.write_text(good + "\n" + good.replace('"turn": 0', '"turn": "zero"') + "\n")
+    with pytest.raises(TraceError, match=r"bad\.jsonl:2: turn: Expected `int`"):
+        tr.read_agent(path)
+    path.write_text(good.replace('"messages": [', '"messages": [1, ') + "\n")
+    with pytest.raises(TraceError, match=r":1: messages\[0\]"):
+        tr.read_agent(path)
+
+
+def test_config_from_spec() -> None:
+    cfg = tr.config_from_spec("tenants=5, turns=4,session-interval-ms=2.5")
+    assert (cfg.tenants, cfg.turns, cfg.session_interval_ms) == (5, 4, 2.5)
+    assert tr.config_from_spec("") == tr.TraceConfig()
+    with pytest.raises(ValueError, match="'colour=1'"):
+        tr.config_from_spec("colour=1")
+    with pytest.raises(ValueError, match="turns: 'x' is not an integer"):
+        tr.config_from_spec("turns=x")
+    with pytest.raises(ValueError, match=r"TraceConfig\.turns"):
+        tr.config_from_spec("turns=0")

@@ -1,4 +1,5 @@
-"""A deterministic shared-prefix, multi-tenant agent trace for the gateway benchmark.
+"""kvpool's agent trace: a deterministic shared-prefix, multi-tenant chat workload, generated
+or read from JSONL.
 
 Why this module exists: routing quality is only visible on a workload whose requests share KV
 the way agent traffic does. Here: several tenants, each with a long system prompt that every
@@ -8,17 +9,40 @@ the whole conversation so far (each turn extends the previous turn's prompt); an
 whose user turns carry documents retrieved from the tenant's corpus in a per-request order, so
 two requests with the same documents share KV only up to the first document that differs in
 place. The assistant replies are scripted (the trace is replayed, not generated), so every
-router under test receives byte-identical requests in the same order.
+router under test receives byte-identical requests in the same order. The gateway benchmark
+and ``kvpool-gateway replay`` both replay it (one trace, one client: :mod:`kvpool.gateway.loadgen`).
 
-Pure: no I/O, no clock, no global random state; the same :class:`TraceConfig` always gives the
-same trace. ``gateway/tests/unit/test_bench_trace.py`` checks that and the shape. (Not named
-``trace.py``: that would shadow the standard library's ``trace`` module on ``sys.path``.)
+Timing: every turn of the k-th session (in replay order) may be sent at
+k × ``session_interval_ms`` (0: all at once) and not before the session's previous turn has
+answered: sessions run concurrently, turns in order.
+
+A file holds one request per line (:func:`dump_row`, :func:`read_agent`):
+``{"timestamp": ms, "session", "tenant", "turn", "messages": [{"role", "content"}], "max_tokens"}``.
+
+Pure apart from reading a file: no clock, no global random state; the same
+:class:`TraceConfig` always gives the same trace. ``gateway/tests/unit/test_agent_trace.py``
+checks that and the shape.
 """
 
 from __future__ import annotations
 
+import json
 import random
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from kvpool.gateway.traces.jsonl import (
+    Window,
+    decode_row,
+    iter_trace,
+    ms,
+    read_trace,
+    select,
+)
 
 _WORDS = (
     "the", "each", "one", "that", "this", "every", "in", "many", "these", "some", "few", "all",
@@ -56,11 +80,16 @@ class TraceConfig:
     user_words: int = 24
     reply_words: int = 20
     max_tokens: int = 8
+    session_interval_ms: float = 0.0  # session k may start at k x this (0: all at once)
 
     def __post_init__(self) -> None:
         for name in ("tenants", "sessions_per_tenant", "turns", "system_words", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TraceConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("hot_sessions", "docs_per_tenant", "doc_words", "docs_per_turn",
+                     "rag_every", "user_words", "reply_words", "session_interval_ms"):  # fmt: skip
+            if getattr(self, name) < 0:
+                raise ValueError(f"TraceConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.rag_every and self.docs_per_turn > self.docs_per_tenant:
             raise ValueError(
                 f"TraceConfig.docs_per_turn ({self.docs_per_turn}) exceeds docs_per_tenant "
@@ -69,7 +98,7 @@ class TraceConfig:
 
 
 @dataclass(frozen=True)
-class Request:
+class AgentRequest:
     """One chat completion of the trace: the full conversation up to this user turn."""
 
     session: str
@@ -77,6 +106,9 @@ class Request:
     turn: int
     messages: tuple[Message, ...]
     max_tokens: int
+    arrival_s: float = 0.0  # earliest send time; also after the session's previous turn
+    index: int = 0  # position in replay order (generated) or row of the file (read)
+    line: int = 0  # line of the file (0: generated)
 
     def body(self, model: str, *, stream: bool = True) -> dict[str, object]:
         """The OpenAI chat body sent for this request (greedy, usage in the stream)."""
@@ -98,7 +130,7 @@ class Session:
     id: str
     tenant: str
     rag: bool
-    requests: tuple[Request, ...]
+    requests: tuple[AgentRequest, ...]
 
 
 @dataclass(frozen=True)
@@ -107,7 +139,7 @@ class Trace:
     sessions: tuple[Session, ...] = field(default_factory=tuple)
 
     @property
-    def requests(self) -> list[Request]:
+    def requests(self) -> list[AgentRequest]:
         """Every request in replay order: sessions interleaved across tenants, turns in order."""
         return [r for s in self.sessions for r in s.requests]
 
@@ -161,15 +193,24 @@ def generate(cfg: TraceConfig) -> Trace:
                 history.append(
                     {"role": "user", "content": _user_turn(rng, cfg.user_words, docs, turn)}
                 )
-                requests.append(Request(sid, t, turn, tuple(dict(m) for m in history),
-                                        cfg.max_tokens))  # fmt: skip
+                requests.append(AgentRequest(sid, t, turn, tuple(dict(m) for m in history),
+                                             cfg.max_tokens))  # fmt: skip
                 history.append({"role": "assistant", "content": filler(rng, cfg.reply_words)})
             per_tenant[t].append(Session(sid, t, rag, tuple(requests)))
     # interleave tenants so concurrent sessions belong to different tenants, until only the
     # hot tenant has sessions left: its burst then runs alone
     rounds = max(len(v) for v in per_tenant.values())
     order = [per_tenant[t][k] for k in range(rounds) for t in tenants if k < len(per_tenant[t])]
-    return Trace(cfg, tuple(order))
+    index = 0
+    timed = []
+    for k, s in enumerate(order):
+        at = k * cfg.session_interval_ms / 1000.0
+        reqs = []
+        for r in s.requests:
+            reqs.append(replace(r, arrival_s=at, index=index))
+            index += 1
+        timed.append(replace(s, requests=tuple(reqs)))
+    return Trace(cfg, tuple(timed))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -190,3 +231,76 @@ def ideal_hit_tokens(prompts: list[list[int]], chunk: int) -> list[int]:
         best = max((common_prefix(p, q) for q in prompts[:i]), default=0)
         out.append(max(0, min(best // chunk * chunk, len(p) - 1)))
     return out
+
+
+class _Message(msgspec.Struct):
+    role: str
+    content: str
+
+
+class _Row(msgspec.Struct):
+    session: str
+    turn: Annotated[int, msgspec.Meta(ge=0)]
+    messages: Annotated[list[_Message], msgspec.Meta(min_length=1)]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    tenant: str = ""
+    timestamp: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+
+_DECODER = msgspec.json.Decoder(_Row)
+
+
+def parse_row(path: str, index: int, line: int, raw: bytes) -> AgentRequest:
+    """One agent-trace row; a TraceError naming the line and the field when it is not one."""
+    row = decode_row(_DECODER, path, line, raw)
+    messages = tuple({"role": m.role, "content": m.content} for m in row.messages)
+    return AgentRequest(row.session, row.tenant, row.turn, messages, row.max_tokens,
+                        row.timestamp / 1000.0, index, line)  # fmt: skip
+
+
+def iter_agent(path: str | Path, window: Window | None = None) -> Iterator[AgentRequest]:
+    """The requests of an agent-trace file in file order, streaming, ``window`` applied."""
+    return iter_trace(path, parse_row, window)
+
+
+def read_agent(path: str | Path, window: Window | None = None) -> list[AgentRequest]:
+    """:func:`iter_agent` as a list; an empty file or window is a TraceError."""
+    return read_trace(path, parse_row, window)
+
+
+def dump_row(req: AgentRequest) -> str:
+    """``req`` as one JSONL line that :func:`read_agent` reads back."""
+    return json.dumps({
+        "timestamp": ms(req.arrival_s),
+        "session": req.session,
+        "tenant": req.tenant,
+        "turn": req.turn,
+        "messages": [dict(m) for m in req.messages],
+        "max_tokens": req.max_tokens,
+    })  # fmt: skip
+
+
+def windowed(trace: Trace, window: Window) -> list[AgentRequest]:
+    """The requests of a generated trace that ``window`` selects (as a file of it would)."""
+    reqs = trace.requests
+    rows = ((r.index, 0, b"") for r in reqs)
+    return list(select(rows, lambda index, _line, _raw: reqs[index], window))
+
+
+def config_from_spec(spec: str) -> TraceConfig:
+    """A TraceConfig from ``key=value,...`` (its field names; empty: the defaults); a
+    ValueError names the key."""
+    fields = TraceConfig.__dataclass_fields__
+    values: dict[str, int | float] = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            raise ValueError(f"{item!r}: expected key=value with key one of {', '.join(fields)}")
+        kind = float if key == "session_interval_ms" else int
+        try:
+            values[key] = kind(value)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise ValueError(f"{key}: {value!r} is not {what}") from None
+    return TraceConfig(**values)  # type: ignore[arg-type]
