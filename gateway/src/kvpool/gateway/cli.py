@@ -47,12 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_extra_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Other subcommands (``hashes``) registered by their modules when present."""
-    try:
-        module = importlib.import_module("kvpool.gateway.hashes_cli")
-    except ModuleNotFoundError:
-        return
-    module.add_parser(sub)
+    """Other subcommands (``hashes``, ``replay``) registered by their modules when present."""
+    for name in ("kvpool.gateway.hashes_cli", "kvpool.gateway.replay_cli"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        module.add_parser(sub)
 
 
 def settings_from_args(argv: Sequence[str]) -> tuple[GatewayConfig, ServeOptions]:
