@@ -6,12 +6,14 @@ measurable against upstreams that cost nothing. One process listens on several p
 never the bottleneck of a router in front of it. It answers:
 
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: a fixed one-token answer with
-  ``usage``; with ``"stream": true`` an SSE stream (chunked) of one content event, a usage
-  event and ``[DONE]``;
+  ``usage``; with ``"stream": true`` an SSE stream (chunked) of one content event (or
+  min(``max_tokens``, ``--max-events``) of them, one token each), a usage event and ``[DONE]``;
 - ``POST /tokenize``: three token ids (what a gateway without a local tokenizer asks for);
 - ``GET /v1/models``: the model list; any other ``GET`` (health, readiness, metrics): 200.
 
-Run: ``python upstream.py --ports P1,P2,... [--model NAME]``; prints ``READY`` when listening.
+Run: ``python upstream.py --ports P1,P2,... [--model NAME] [--max-events N]``; prints ``READY``
+when listening. (``--max-events`` > 1 measures a client's SSE event rate: ``kvpool-gateway
+replay``'s capacity, ``replay_capacity.py``.)
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ _CHUNKED = (
 )
 
 
-def _usage(prompt_tokens: int) -> dict[str, object]:
+def _usage(prompt_tokens: int, completion_tokens: int = 1) -> dict[str, object]:
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": 1,
-        "total_tokens": prompt_tokens + 1,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
 
@@ -43,8 +45,9 @@ def _chunk(data: bytes) -> bytes:
 
 
 class Upstream:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, max_events: int = 1) -> None:
         self.model = model
+        self.max_events = max_events
         self.requests = 0
 
     def answer(self, method: bytes, path: bytes, body: bytes) -> bytes:
@@ -83,12 +86,11 @@ class Upstream:
         delta: dict[str, object] = (
             {"delta": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
         )
-        events = [
-            {**base, "object": obj, "choices": [{"index": 0, **delta, "finish_reason": None}]},
-            {**base, "object": obj, "choices": [], "usage": _usage(n)},
-        ]
-        out = [_CHUNKED]
-        out += [_chunk(b"data: " + json.dumps(e).encode() + b"\n\n") for e in events]
+        k = max(1, min(int(req.get("max_tokens") or 1), self.max_events))
+        content = {**base, "object": obj, "choices": [{"index": 0, **delta, "finish_reason": None}]}
+        usage = {**base, "object": obj, "choices": [], "usage": _usage(n, k)}
+        event = _chunk(b"data: " + json.dumps(content).encode() + b"\n\n")
+        out = [_CHUNKED, event * k, _chunk(b"data: " + json.dumps(usage).encode() + b"\n\n")]
         out += [_chunk(b"data: [DONE]\n\n"), b"0\r\n\r\n"]
         return b"".join(out)
 
@@ -134,8 +136,8 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
         await reader.readexactly(2)
 
 
-async def serve(ports: list[int], model: str) -> None:
-    up = Upstream(model)
+async def serve(ports: list[int], model: str, max_events: int = 1) -> None:
+    up = Upstream(model, max_events)
     servers = [await asyncio.start_server(up.handle, "127.0.0.1", p, backlog=1024) for p in ports]
     print("READY", flush=True)
     await asyncio.gather(*(s.serve_forever() for s in servers))
@@ -145,13 +147,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--ports", required=True, help="comma-separated ports on 127.0.0.1")
     ap.add_argument("--model", default="kvpool/reference-tiny")
+    ap.add_argument(
+        "--max-events", type=int, default=1, help="content events of a streamed answer, at most"
+    )
     args = ap.parse_args()
     with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve([int(p) for p in args.ports.split(",")], args.model))
+        asyncio.run(serve([int(p) for p in args.ports.split(",")], args.model, args.max_events))
 
 
 if __name__ == "__main__":
