@@ -5,9 +5,12 @@ config and injected environment into a running engine, and what refuses to run w
 inconsistent (a worker from another cache domain serves 0 % hits without any error). Here it
 parses flags, checks the contract, then either execs vLLM(-Ascend) with the LMCache connector
 (``--engine vllm``) or serves the reference engine over HTTP (``--engine reference``) with a
-bounded SIGTERM drain.
+bounded SIGTERM drain, or serves the simulated engine (``--engine sim``: a worker in every
+respect but the model math; ``kvpool-worker host`` runs many of them in one process).
 
     kvpool-worker serve --engine reference --port 8000
+    kvpool-worker serve --engine sim --sim-profile h100-llama-3.1-8b-vllm --num-layers 32 ...
+    kvpool-worker host --instances instances.json
     kvpool-worker serve --engine vllm --platform ascend --model /models/qwen3 --block-size 128
     kvpool-worker fingerprint --model M --block-size 16 --kv-dtype float32 [--config FILE]
 """
@@ -68,7 +71,14 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--tokenizer", "tokenizer", str, "tokenizer.json or its directory"),
     ("--weights-seed", "weights_seed", int, "reference: seed of the random weights"),
     ("--num-kv-blocks", "num_kv_blocks", int, "reference: paged KV capacity in blocks"),
-    ("--max-num-seqs", "max_num_seqs", int, "reference: requests batched together"),
+    ("--max-num-seqs", "max_num_seqs", int, "batch size (reference 8; sim: the profile's)"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "sim: a step's token budget"),
+    ("--sim-profile", "sim_profile", str, "sim: a bundled profile's name or a profile file"),
+    ("--sim-speedup", "sim_speedup", float, "sim: model seconds per wall second (default 1)"),
+    ("--sim-device-kv-gib", "sim_device_kv_gib", float, "sim: device KV GiB (default: profile)"),
+    ("--num-layers", "num_layers", int, "sim: layers of the pool's model (KV bytes per token)"),
+    ("--num-kv-heads", "num_kv_heads", int, "sim: KV heads of the pool's model"),
+    ("--head-dim", "head_dim", int, "sim: head dimension of the pool's model"),
     ("--platform", "platform", str, "vllm: ascend or cuda"),
     ("--ascend-connector", "ascend_connector", str, "vllm on ascend: dynamic or builtin"),
     ("--tensor-parallel-size", "tensor_parallel_size", int, "vllm: TP size"),
@@ -84,8 +94,8 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool-worker", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the worker (reference engine or vLLM)")
-    serve.add_argument("--engine", choices=["reference", "vllm"], default=None)
+    serve = sub.add_parser("serve", help="run the worker (reference engine, vLLM or sim)")
+    serve.add_argument("--engine", choices=["reference", "vllm", "sim"], default=None)
     for flag, field, kind, text in _SERVE_FLAGS:
         serve.add_argument(flag, dest=field, type=kind, default=None, help=text)
     serve.add_argument(
@@ -94,6 +104,16 @@ def _parser() -> argparse.ArgumentParser:
         help="vllm: print the command line instead of exec'ing it",
     )
     serve.add_argument("vllm_args", nargs="*", help="after --: extra vLLM arguments")
+    host = sub.add_parser(
+        "host", help="serve many --engine sim instances from one process (one port each)"
+    )
+    host.add_argument(
+        "--instances",
+        required=True,
+        help='JSON file: a list of {"argv": [the rendered kvpool-worker serve argv], "env": '
+        "{its environment}}",
+    )
+    host.add_argument("--log-level", default="info", help="debug, info, warning or error")
     fp = sub.add_parser("fingerprint", help="print the cache-domain fingerprint")
     fp.add_argument("--model", required=True)
     fp.add_argument("--block-size", type=int, required=True)
@@ -103,11 +123,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def settings_from(args: argparse.Namespace) -> WorkerSettings:
+def settings_from(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> WorkerSettings:
+    """Flags over ``KVPOOL_WORKER_*`` of ``env`` (default: this process's environment)."""
     fields = [f for _, f, _, _ in _SERVE_FLAGS] + ["engine"]
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     try:
-        return WorkerSettings(**overrides)
+        return WorkerSettings.from_env(os.environ if env is None else env, **overrides)
     except ValidationError as exc:
         lines = [
             f"  - {'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
@@ -196,7 +217,7 @@ def reference_options(settings: WorkerSettings, config_file: str | None) -> Refe
         max_model_len=settings.max_model_len,
         block_size=settings.block_size,
         num_kv_blocks=settings.num_kv_blocks,
-        max_num_seqs=settings.max_num_seqs,
+        max_num_seqs=settings.max_num_seqs or ReferenceEngineOptions.max_num_seqs,
         dtype=settings.kv_dtype,
         lmcache_config_file=config_file,
     )
@@ -343,38 +364,78 @@ def _stray_threads() -> bool:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    env = dict(os.environ)
-    try:
-        if args.command == "fingerprint":
-            return _fingerprint(args, env)
-        settings = settings_from(args)
-        logging.basicConfig(
-            level=settings.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+def build_sim(settings: WorkerSettings, env: Mapping[str, str], tokenizer: TextTokenizer) -> Engine:
+    """The simulated engine: the same contract as the reference engine, then the sim's own
+    checks (profile, model shape, what of the rendered LMCache config it models)."""
+    from kvpool.worker.sim.build import SimConfigError, build_sim_engine  # noqa: PLC0415
+
+    config: dict[str, Any] | None = None
+    if "LMCACHE_CONFIG_FILE" in env:
+        config = enforce_contract(settings, env)
+    else:
+        logger.warning(
+            "LMCACHE_CONFIG_FILE is unset: the simulated engine runs without LMCache (no DDR "
+            "or disk tier, no controller; only the device prefix cache hits)"
         )
-        if settings.engine == "vllm":
-            return run_vllm(args, settings, env)
-        tokenizer = tokenizer_for(settings)
-        engine = build_reference_engine(settings, env, tokenizer)
-    except StartRefusedError as exc:
-        print(f"kvpool-worker: {exc}", file=sys.stderr)
-        if _stray_threads():
-            # A failed LMCache start can leave non-daemon threads that would keep a refused
-            # worker alive (and Ready-looking) forever: end the process for real.
-            sys.stderr.flush()
-            hard_exit(EXIT_REFUSED)
-        return EXIT_REFUSED
+    try:
+        return build_sim_engine(settings, env, tokenizer, config)
+    except SimConfigError as exc:
+        raise StartRefusedError(format_problems(exc.problems)) from exc
+
+
+def build_runtime(
+    settings: WorkerSettings, env: Mapping[str, str], tokenizer: TextTokenizer | None = None
+) -> WorkerRuntime:
+    """One instance's engine and HTTP runtime (``--engine reference`` or ``sim``), built from
+    its settings and environment alone; StartRefusedError says what to fix."""
+    tok = tokenizer if tokenizer is not None else tokenizer_for(settings)
+    if settings.engine == "sim":
+        engine = build_sim(settings, env, tok)
+        return WorkerRuntime(engine, tok, session_capacity=settings.session_capacity)
+    engine = build_reference_engine(settings, env, tok)
     offload = getattr(engine, "offload", None)
     pd_info = None
     if offload is not None:
         from kvpool.worker.engine.offload.pd import pd_info as describe_pd  # noqa: PLC0415
 
         pd_info = describe_pd(offload.config)
-    runtime = WorkerRuntime(
-        engine, tokenizer, session_capacity=settings.session_capacity, pd_info=pd_info
+    return WorkerRuntime(engine, tok, session_capacity=settings.session_capacity, pd_info=pd_info)
+
+
+def refuse(exc: StartRefusedError) -> int:
+    """Print why the worker does not start; exit status 2 (never a traceback)."""
+    print(f"kvpool-worker: {exc}", file=sys.stderr)
+    if _stray_threads():
+        # A failed LMCache start can leave non-daemon threads that would keep a refused
+        # worker alive (and Ready-looking) forever: end the process for real.
+        sys.stderr.flush()
+        hard_exit(EXIT_REFUSED)
+    return EXIT_REFUSED
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    env = dict(os.environ)
+    if args.command == "host":
+        from kvpool.worker.sim.host import run_host  # noqa: PLC0415
+
+        return run_host(args.instances, args.log_level)
+    try:
+        if args.command == "fingerprint":
+            return _fingerprint(args, env)
+        settings = settings_from(args, env)
+        configure_logging(settings.log_level)
+        if settings.engine == "vllm":
+            return run_vllm(args, settings, env)
+        runtime = build_runtime(settings, env)
+    except StartRefusedError as exc:
+        return refuse(exc)
     try:
         code = asyncio.run(serve(runtime, settings))
     except SystemExit as exc:  # uvicorn exits when it cannot bind: still end for real below

@@ -83,8 +83,12 @@ class WorkerRuntime:
 
     @property
     def refusal(self) -> str | None:
-        """The controller's reason for refusing this worker (another domain's fingerprint)."""
-        reason = getattr(getattr(self.engine, "offload", None), "controller_refusal", None)
+        """The controller's reason for refusing this worker (another domain's fingerprint):
+        the engine's own ``controller_refusal`` (the simulated engine's controller client) or
+        its KV offload's (the reference engine's LMCache)."""
+        reason = getattr(self.engine, "controller_refusal", None)
+        if reason is None:
+            reason = getattr(getattr(self.engine, "offload", None), "controller_refusal", None)
         return reason if isinstance(reason, str) else None
 
     @property

@@ -5,26 +5,55 @@ Why this module exists: a worker is configured by the operator through environme
 once, so the rest of the runtime reads typed values. The cache-domain contract (LMCache,
 vLLM and hash-seed variables) is deliberately not here: those are checked exactly as the
 process received them, by ``kvpool.worker.contract``.
+
+The environment is an explicit mapping (:meth:`WorkerSettings.from_env`), never read from
+``os.environ`` behind the caller's back: ``kvpool-worker host`` builds many instances in one
+process, each from its own rendered environment.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvpool.worker.engine_api import ReferenceEngineOptions
 
 _REF = ReferenceEngineOptions()
+ENV_PREFIX = "KVPOOL_WORKER_"
 
 
 class WorkerSettings(BaseSettings):
     """Flags override ``KVPOOL_WORKER_<FIELD>`` variables, which override these defaults."""
 
-    model_config = SettingsConfigDict(env_prefix="KVPOOL_WORKER_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    engine: Literal["reference", "vllm"] = "reference"
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)  # the environment comes through from_env, as a mapping
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], **overrides: Any) -> WorkerSettings:
+        """Settings from ``KVPOOL_WORKER_<FIELD>`` variables of ``env`` (any case, as
+        pydantic-settings reads them), then ``overrides`` (the flags) on top."""
+        fields = {name.upper(): name for name in cls.model_fields}
+        values: dict[str, Any] = {}
+        for key, value in env.items():
+            upper = key.upper()
+            if upper.startswith(ENV_PREFIX) and upper[len(ENV_PREFIX) :] in fields:
+                values[fields[upper[len(ENV_PREFIX) :]]] = value
+        return cls(**{**values, **overrides})
+
+    engine: Literal["reference", "vllm", "sim"] = "reference"
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
 
@@ -39,7 +68,18 @@ class WorkerSettings(BaseSettings):
     # Reference engine.
     weights_seed: int = _REF.weights_seed
     num_kv_blocks: int = Field(default=_REF.num_kv_blocks, ge=1)
-    max_num_seqs: int = Field(default=_REF.max_num_seqs, ge=1)
+    # Requests batched together (reference: 8; sim: the profile's).
+    max_num_seqs: int | None = Field(default=None, ge=1)
+
+    # Simulated engine (``--engine sim``): timing from a profile, KV bytes from the pool's
+    # model shape. Unset limits come from the profile.
+    sim_profile: str | None = None  # a bundled profile's name or a profile file's path
+    sim_speedup: float = Field(default=1.0, gt=0)  # model seconds per wall second
+    sim_device_kv_gib: float | None = Field(default=None, gt=0)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    num_layers: int | None = Field(default=None, ge=1)
+    num_kv_heads: int | None = Field(default=None, ge=1)
+    head_dim: int | None = Field(default=None, ge=1)
 
     # vLLM(-Ascend). "cpu" is what the operator renders for the reference engine's pods.
     platform: Literal["ascend", "cuda", "cpu"] = "ascend"
