@@ -43,9 +43,11 @@ def _results(outcomes: Sequence[Outcome]) -> list[RequestResult]:
 def worker_deltas(
     before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
 ) -> dict[str, dict[str, float]]:
-    """Per worker URL: each counter's increase over the replay, and its share of requests."""
+    """Per worker URL: each counter's increase over the replay, and its share of requests. A
+    counter first seen after (a labelled counter has no sample until its first increment)
+    started at 0."""
     out = {
-        url: {k: after[url][k] - v for k, v in before[url].items() if k in after[url]}
+        url: {k: v - before[url].get(k, 0.0) for k, v in after[url].items()}
         for url in before
         if url in after
     }
