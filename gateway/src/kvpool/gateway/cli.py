@@ -47,8 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_extra_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Other subcommands (``hashes``, ``replay``) registered by their modules when present."""
-    for name in ("kvpool.gateway.hashes_cli", "kvpool.gateway.replay_cli"):
+    """Other subcommands (``hashes``, ``replay``, ``simulate``, ``plan``) registered by their
+    modules when present."""
+    for name in (
+        "kvpool.gateway.hashes_cli",
+        "kvpool.gateway.replay_cli",
+        "kvpool.gateway.fleetsim.cli",
+    ):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError:

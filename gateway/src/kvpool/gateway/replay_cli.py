@@ -36,6 +36,7 @@ from typing import Any
 
 import aiohttp
 
+from kvpool.gateway.fleetsim.stats import json_safe
 from kvpool.gateway.loadgen import Endpoint, Progress, Replay, ReplayRun
 from kvpool.gateway.prompts import local_tokenizer
 from kvpool.gateway.promscrape import ScrapeError, metrics_url, scrape
@@ -383,17 +384,6 @@ async def _scrape_all(
     return out
 
 
-def _finite(x: Any) -> Any:
-    """NaN and infinities as null, so the JSON is strict."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
-
-
 def write_outputs(
     args: argparse.Namespace,
     loaded: Loaded,
@@ -416,7 +406,7 @@ def write_outputs(
         path = Path(args.out)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(_finite(doc), indent=1) + "\n", encoding="utf-8")
+            path.write_text(json.dumps(json_safe(doc), indent=1) + "\n", encoding="utf-8")
         except OSError as exc:
             print(f"replay: cannot write --out {path}: {exc.strerror}", file=sys.stderr)
     if args.plot:

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvpool.gateway.fleetsim.fleet import ORACLE, FleetConfig, FleetSim
 from kvpool.gateway.fleetsim.planner import GIB, PlanPoint, plan, smallest
-from kvpool.gateway.fleetsim.stats import summarize
+from kvpool.gateway.fleetsim.stats import json_safe, summarize
 from kvpool.gateway.routing import POLICIES
 from kvpool.gateway.traces.mooncake import TraceError, TraceRequest, Window, read_mooncake
 from kvpool.protocol.simcore.profile import (
@@ -159,19 +159,9 @@ def _ms(x: float) -> str:
     return "-" if math.isnan(x) else f"{x * 1000:.0f}"
 
 
-def _finite(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
-
-
 def _write_json(path: str | None, data: dict[str, Any]) -> None:
     if path:
-        Path(path).write_text(json.dumps(_finite(data), indent=2, sort_keys=True) + "\n")
+        Path(path).write_text(json.dumps(json_safe(data), indent=2, sort_keys=True) + "\n")
 
 
 def _guard(fn: Any, args: argparse.Namespace) -> int:

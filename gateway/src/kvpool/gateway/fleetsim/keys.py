@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvpool.gateway.traces.blocks import check_blocks
+
 __all__ = ["chunk_keys"]
 
 
@@ -26,13 +28,9 @@ def chunk_keys(
     save_unfull_chunk: bool = False,
 ) -> tuple[int, ...]:
     """One key per chunk LMCache would hash: the full chunks of the prompt, then the partial
-    last chunk when ``save_unfull_chunk``. ValueError when the ids do not cover the prompt."""
-    need = -(-input_length // block_tokens)
-    if input_length < 1 or len(hash_ids) != need:
-        raise ValueError(
-            f"input_length {input_length} needs {need} block(s) of {block_tokens} tokens, "
-            f"hash_ids has {len(hash_ids)}"
-        )
+    last chunk when ``save_unfull_chunk``. PromptError (a ValueError) when the ids do not
+    cover the prompt."""
+    check_blocks(hash_ids, input_length, block_tokens)
     full, rest = divmod(input_length, chunk_size)
     count = full + (1 if save_unfull_chunk and rest else 0)
     keys: list[int] = []

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RequestResult", "percentile", "summarize"]
+__all__ = ["RequestResult", "json_safe", "percentile", "summarize"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,3 +124,14 @@ def summarize(
         "per_instance": {k: dict(v) for k, v in sorted(per.items())},
         "load_imbalance": (max(counts) / (sum(counts) / len(counts))) if counts else 0.0,
     }
+
+
+def json_safe(x: Any) -> Any:
+    """NaN and infinities as null (recursively), so a summary is strict JSON."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v) for v in x]
+    return x

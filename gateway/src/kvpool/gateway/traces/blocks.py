@@ -58,6 +58,19 @@ class PromptError(ValueError):
     """A request whose hash ids do not cover its ``input_length`` at this block size."""
 
 
+def check_blocks(hash_ids: Sequence[int], input_length: int, block_size: int) -> None:
+    """PromptError unless ``hash_ids`` are exactly the blocks ``input_length`` tokens fill
+    (the replay's prompts and the fleet simulator's chunk keys both need it)."""
+    if input_length < 1:
+        raise PromptError(f"input_length must be >= 1, got {input_length}")
+    need = -(-input_length // block_size)
+    if len(hash_ids) != need:
+        raise PromptError(
+            f"input_length {input_length} needs {need} block(s) of {block_size} tokens, "
+            f"hash_ids has {len(hash_ids)} (a trace of another block size?)"
+        )
+
+
 @dataclass(frozen=True)
 class Vocabulary:
     """Words that are exactly one token each: ``texts[i]`` (with its leading space) is
@@ -221,14 +234,7 @@ class BlockPromptBuilder:
 
     def check(self, hash_ids: Sequence[int], input_length: int) -> None:
         """PromptError unless ``hash_ids`` are exactly the blocks ``input_length`` tokens fill."""
-        if input_length < 1:
-            raise PromptError(f"input_length must be >= 1, got {input_length}")
-        need = -(-input_length // self.block_size)
-        if len(hash_ids) != need:
-            raise PromptError(
-                f"input_length {input_length} needs {need} block(s) of {self.block_size} tokens, "
-                f"hash_ids has {len(hash_ids)} (a trace of another block size?)"
-            )
+        check_blocks(hash_ids, input_length, self.block_size)
 
     def token_ids(self, hash_ids: Sequence[int], input_length: int) -> list[int]:
         """The prompt's token ids: the blocks in order, the last cut to ``input_length``."""
