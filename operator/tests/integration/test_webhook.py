@@ -185,3 +185,23 @@ async def test_self_signed_mode_writes_the_ca_into_the_webhook_configuration(
     assert client_config["service"]["namespace"] == "kvpool-system"
     ca = (tmp_path / "certs" / "ca.crt").read_bytes()
     assert base64.b64decode(client_config["caBundle"]) == ca
+
+
+async def test_a_sim_engine_in_a_pd_pair_is_refused_with_the_sim_message(
+    apiserver: ApiServer, client: Client, webhook: tuple[OperatorThread, str, ssl.SSLContext]
+) -> None:
+    """engine.sim is validated at `kubectl apply` like every other field: PD transfers are
+    not simulated, and the answer names the field and the fix."""
+    _, url, ctx = webhook
+    pool, _, pair = example("cpu-demo")
+    await client.create(pool)
+    await eventually(lambda: observed(apiserver, POOLS, "demo"))
+    sim_pair = with_ns(pair)
+    sim_pair["spec"]["decode"]["engine"]["sim"] = {"profile": "h100-llama-3.1-8b-vllm"}
+    answer = await ask(url, ctx, "/validate-pdpair", review("CREATE", sim_pair))
+    assert answer["allowed"] is False
+    message = answer["status"]["message"]
+    assert "PDPair/demo-pd: spec.decode.engine.sim: PD transfers are not simulated" in message
+    assert "fix: remove decode.engine.sim" in message
+    allowed = await ask(url, ctx, "/validate-pdpair", review("CREATE", with_ns(pair)))
+    assert allowed["allowed"] is True

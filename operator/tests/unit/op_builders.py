@@ -77,6 +77,13 @@ def p2p(name: str = "grp", **spec: Any) -> P2PGroup:
     return P2PGroup.model_validate(merge(P2P, {"metadata": {"name": name}, "spec": spec}))
 
 
+def plain_p2p(name: str = "grp", **spec: Any) -> P2PGroup:
+    """The base P2P group without its transfer settings (LMCache's defaults), ``spec`` merged."""
+    doc = merge(P2P, {"metadata": {"name": name}})
+    del doc["spec"]["transfer"]
+    return P2PGroup.model_validate(merge(doc, {"spec": spec}))
+
+
 def pd(name: str = "pair", **spec: Any) -> PDPair:
     """The base PD pair (ascend, TP 2, pull-delay) with ``spec`` merged in."""
     return PDPair.model_validate(merge(PD, {"metadata": {"name": name}, "spec": spec}))

@@ -12,11 +12,12 @@ from typing import Any
 import celpy
 import pytest
 import yaml
-from op_builders import EXAMPLES, p2p, pool
+from op_builders import EXAMPLES, p2p, pd, pool
 
 from kvpool.operator import gen
 from kvpool.operator.loader import load_text
 
+SIM = "h100-llama-3.1-8b-vllm"
 CRDS = {
     kind: gen.crd(kind, plural, short, spec, status)
     for kind, plural, short, spec, status in gen.KINDS
@@ -56,7 +57,8 @@ def _check(kind: str, obj: dict[str, Any]) -> list[str]:
 
 def test_crds_carry_rules() -> None:
     assert len(_all_rules("KVCachePool")) == 2
-    assert len(_all_rules("P2PGroup")) == 1
+    assert len(_all_rules("P2PGroup")) == 2  # delay pull; a sim engine on cpu
+    assert len(_all_rules("PDPair")) == 3  # a sim engine on cpu (each side); no sim in PD
 
 
 def test_every_example_satisfies_every_rule() -> None:
@@ -91,6 +93,20 @@ def test_every_example_satisfies_every_rule() -> None:
                 "spec: {tiers: {remote: {redis: {url: 'redis://r'}, mooncake: {segmentSize: 1Gi}}}}"
             ),
             "has(self.mooncake) != has(self.redis)",
+        ),
+        (
+            "P2PGroup",
+            p2p(engine={"platform": "cuda", "sim": {"profile": SIM}}, transfer={}).model_dump(
+                by_alias=True, exclude_none=True
+            ),
+            "!has(self.sim) || self.platform == 'cpu'",
+        ),
+        (
+            "PDPair",
+            pd(decode={"engine": {"platform": "cpu", "sim": {"profile": SIM}}}).model_dump(
+                by_alias=True, exclude_none=True
+            ),
+            "!has(self.prefill.engine.sim) && !has(self.decode.engine.sim)",
         ),
     ],
 )

@@ -22,6 +22,7 @@ from kvpool.operator.validation import Problem, apply_patches, validate_domain
 #: Problems whose fix is a judgement a person makes (no single patch is "as written").
 NO_PATCH_CODES = {"ports.overlap"}  # only when both members list explicit ports
 MODES = ["push", "pull-eager", "pull-delay", "cpu-offload-pull-delay"]
+SIM = "h100-llama-3.1-8b-vllm"
 
 
 def _pool(draw: st.DrawFn) -> dict[str, Any]:
@@ -81,12 +82,23 @@ def _engine(draw: st.DrawFn, platform: str) -> dict[str, Any]:
     overrides = draw(
         st.sets(
             st.sampled_from(
-                ["lmcache_worker_heartbeat_time", "chunk_sise", "store_async", "remote_serde"]
+                [
+                    "lmcache_worker_heartbeat_time",
+                    "chunk_sise",
+                    "store_async",
+                    "remote_serde",
+                    "enable_blending",
+                ]
             )
         )
     )
     if overrides:
         engine["lmcacheOverrides"] = {k: 1 for k in sorted(overrides)}
+    sim = draw(
+        st.sampled_from([None, None, {"profile": SIM}, {"profile": SIM, "deviceKVGiB": 0.01}])
+    )
+    if sim is not None:  # kvpool's simulated engine (its own rules: cpu, TP 1, no PD, ...)
+        engine["sim"] = sim
     choice = draw(st.sampled_from(["none", "block", "count", "resource", "memory", "bad-memory"]))
     if choice == "block":
         engine["blockSize"] = 16
@@ -118,6 +130,7 @@ def _p2p(draw: st.DrawFn, name: str, base: int) -> dict[str, Any]:
         transfer["channel"] = channel
     spec: dict[str, Any] = {
         "poolRef": {"name": "pool"},
+        "p2p": draw(st.booleans()),
         "replicas": draw(st.sampled_from([0, 1, 2])),
         "tensorParallelSize": draw(st.sampled_from([1, 2, 3, 4])),
         "engine": _engine(draw, platform),

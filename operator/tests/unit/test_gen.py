@@ -116,10 +116,10 @@ def _to_jsonschema(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     out = {k: _to_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
-    if out.pop("nullable", False):
-        return {"anyOf": [out, {"type": "null"}]}
     if out.get("exclusiveMinimum") is True:
         out["exclusiveMinimum"] = out.pop("minimum")
+    if out.pop("nullable", False):
+        return {"anyOf": [out, {"type": "null"}]}
     return out
 
 

@@ -15,6 +15,7 @@ import pytest
 from op_builders import EXAMPLES, merge, p2p, pool
 
 from kvpool.operator.api import P2PGroup, PDPair
+from kvpool.operator.derive.instances import engines
 from kvpool.operator.derive.ownership import owned_engine_flags, owned_lmcache_keys
 from kvpool.operator.loader import load_text
 from kvpool.operator.render import lmcache_configs, render_domain
@@ -67,7 +68,8 @@ def test_every_rendered_worker_flag_is_refused_in_engine_args(path: Path) -> Non
             command = obj["spec"]["template"]["spec"]["containers"][0]["command"]
             head = command[: command.index("--")] if "--" in command else command
             flags |= {a for a in head if a.startswith("--")}
-        assert flags and flags <= owned_engine_flags()
+        sim = any(e.sim is not None for m in domain.members for _, e, _ in engines(m))
+        assert flags and flags <= owned_engine_flags(sim=sim)
         member = domain.members[0]
         for flag in sorted(flags):
             bad = _with_engine(member, args=[f"{flag}=1"])

@@ -21,6 +21,7 @@ from kvpool.operator.api.members import (
     P2PGroupSpec,
     PDPair,
     PDPairSpec,
+    SimEngineSpec,
 )
 from kvpool.operator.api.pool import DTYPE_BYTES, KVCachePool, KVCachePoolSpec, KVCachePoolStatus
 
@@ -49,4 +50,5 @@ __all__ = [
     "PDPair",
     "PDPairSpec",
     "PDPairStatus",
+    "SimEngineSpec",
 ]

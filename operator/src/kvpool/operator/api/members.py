@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kvpool.operator.api.common import (
     ApiModel,
@@ -28,10 +28,50 @@ from kvpool.protocol.pd import (
     MAX_UNCLAIMED_TTL_SECONDS,
     MIN_UNCLAIMED_TTL_SECONDS,
 )
+from kvpool.protocol.simcore.profile import bundled_profiles
 
 Platform = Literal["ascend", "cuda", "cpu"]
 
 _DEFAULT_ACCELERATOR = {"ascend": "huawei.com/ascend-1980", "cuda": "nvidia.com/gpu", "cpu": ""}
+
+#: The performance profiles kvpool.protocol ships (each names a model, a chip and its sources).
+SIM_PROFILES: tuple[str, ...] = tuple(bundled_profiles())
+
+
+class SimEngineSpec(ApiModel):
+    """kvpool's simulated engine (``kvpool-worker serve --engine sim``): a worker in every
+    respect but the model math (real controller protocol, chunk hashes, tiers bounded by the
+    rendered sizes); its timing comes from a performance profile of a named model and chip."""
+
+    profile: str = Field(
+        description="A bundled performance profile: " + ", ".join(SIM_PROFILES) + ".",
+        json_schema_extra={"enum": list(SIM_PROFILES)},
+    )
+    speedup: float = Field(
+        default=1.0,
+        gt=0,
+        description="Model seconds per wall-clock second (2: twice as fast as the profiled "
+        "chip; below 1: slow motion). Default 1.",
+    )
+    device_kv_gib: float | None = Field(
+        default=None,
+        gt=0,
+        alias="deviceKVGiB",
+        description="Device (HBM) KV memory in GiB. Default: the profile's.",
+    )
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="Requests batched together. Default: the profile's."
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="Token budget of one engine step. Default: the profile's."
+    )
+
+    @field_validator("profile")
+    @classmethod
+    def _bundled(cls, value: str) -> str:
+        if value not in SIM_PROFILES:
+            raise ValueError(f"unknown profile {value!r}: choose one of {', '.join(SIM_PROFILES)}")
+        return value
 
 
 class EngineSpec(ApiModel):
@@ -61,6 +101,20 @@ class EngineSpec(ApiModel):
         description="Extra top-level LMCache keys (not managed by kvpool), e.g. "
         "{remote_serde: cachegen}; checked against the LMCache version's key list.",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    sim: SimEngineSpec | None = Field(
+        default=None,
+        description="Run kvpool's simulated engine instead of a model (platform cpu: the "
+        "profile names the simulated chip). No accelerator and no host memory for LMCache's "
+        "tiers are requested: the simulated tiers allocate nothing. Not in a PDPair and not "
+        "with a remote tier.",
+    )
+
+    model_config = cel_rules(
+        (
+            "!has(self.sim) || self.platform == 'cpu'",
+            "a sim engine runs on CPUs: set platform: cpu (the profile names the simulated chip)",
+        )
     )
 
     def accelerator(self) -> str:
@@ -120,8 +174,12 @@ class P2PInstancePorts(ApiModel):
 
     http: int = Field(ge=1, le=65535)
     worker_ports: list[int] = Field(description="lmcache_worker_ports, one per TP rank.")
-    init_ports: list[int] = Field(description="p2p_init_ports, one per TP rank.")
-    lookup_ports: list[int] = Field(description="p2p_lookup_ports, one per TP rank.")
+    init_ports: list[int] = Field(
+        default_factory=list, description="p2p_init_ports, one per TP rank (P2P only)."
+    )
+    lookup_ports: list[int] = Field(
+        default_factory=list, description="p2p_lookup_ports, one per TP rank (P2P only)."
+    )
 
 
 class PortSpec(ApiModel):
@@ -143,6 +201,13 @@ class P2PGroupSpec(ApiModel):
     """A group of peer instances that share KV through the controller (kv_both)."""
 
     pool_ref: PoolRef
+    p2p: bool = Field(
+        default=True,
+        alias="p2p",
+        description="false: instances that share the domain's controller and index (KV-aware "
+        "routing, the memory API) but never pull KV from each other (no enable_p2p, no P2P "
+        "ports); what most pools without P2P run. Default true.",
+    )
     replicas: int = Field(
         default=2, ge=0, le=64, description="Instances; 0 scales the group to zero. Default 2."
     )
@@ -240,6 +305,14 @@ class PDPairSpec(ApiModel):
     ports: PortSpec = Field(default_factory=PortSpec)
     host_network: bool = Field(default=False, description="Default false.")
     placement: Placement = Field(default_factory=Placement)
+
+    model_config = cel_rules(
+        (
+            "!has(self.prefill.engine.sim) && !has(self.decode.engine.sim)",
+            "PD transfers are not simulated: run the PDPair with the reference engine (platform "
+            "cpu, no engine.sim) or vLLM",
+        )
+    )
 
 
 class MemberStatus(ApiModel):

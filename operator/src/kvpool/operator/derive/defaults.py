@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from kvpool.operator.api.members import P2PGroup, PDPair
+from kvpool.operator.api.members import P2PGroup, PDPair, SimEngineSpec
 from kvpool.operator.api.pool import KVCachePool
+from kvpool.operator.derive import sim
 from kvpool.operator.derive.instances import engines
 from kvpool.operator.derive.platform import default_pd_buffer_device
 from kvpool.operator.quantity import format_bytes
@@ -51,10 +52,12 @@ def pool_defaults(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list[F
     out: list[FilledDefault] = []
     owner = f"KVCachePool/{pool.metadata.name}"
     tiers = pool.spec.tiers
-    if any(isinstance(m, P2PGroup) for m in members) and _is_default(tiers, "cpu"):
-        out.append(
-            _size(owner, "spec.tiers.cpu.size", tiers.cpu.size, "max_local_cpu_size per TP rank")
-        )
+    groups = [m for m in members if isinstance(m, P2PGroup)]
+    if groups and _is_default(tiers, "cpu"):
+        lands = "max_local_cpu_size per TP rank"
+        if all(g.spec.engine.sim is not None for g in groups):
+            lands += "; simulated by the sim engine, no host memory allocated"
+        out.append(_size(owner, "spec.tiers.cpu.size", tiers.cpu.size, lands))
     remote = tiers.remote
     if remote is not None and remote.mooncake is not None:
         mc = remote.mooncake
@@ -70,6 +73,27 @@ def pool_defaults(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list[F
     return out
 
 
+def _sim_defaults(owner: str, path: str, spec: SimEngineSpec) -> list[FilledDefault]:
+    """The sim limits left to the profile (the worker resolves them the same way)."""
+    limits = sim.limits(spec)
+    lands = f"the profile {spec.profile}'s"
+    unset = (
+        ("deviceKVGiB", spec.device_kv_gib, f"{limits.device_kv_gib:g}", "GiB of device KV"),
+        ("maxNumSeqs", spec.max_num_seqs, str(limits.max_num_seqs), "requests batched"),
+        (
+            "maxNumBatchedTokens",
+            spec.max_num_batched_tokens,
+            str(limits.max_num_batched_tokens),
+            "tokens per engine step",
+        ),
+    )
+    return [
+        FilledDefault(owner, f"{path}.{name}", value, f"{lands} {what}")
+        for name, given, value, what in unset
+        if given is None
+    ]
+
+
 def member_defaults(member: P2PGroup | PDPair) -> list[FilledDefault]:
     """Member sizes (and derived counts) kvpool filled in."""
     owner = f"{member.kind}/{member.metadata.name}"
@@ -78,7 +102,11 @@ def member_defaults(member: P2PGroup | PDPair) -> list[FilledDefault]:
         if engine.platform != "cpu" and engine.accelerator_count is None:
             lands = f"{engine.accelerator()} per pod: the TP size"
             out.append(FilledDefault(owner, f"{path}.acceleratorCount", str(tp), lands))
+        if engine.sim is not None:
+            out += _sim_defaults(owner, f"{path}.sim", engine.sim)
     if isinstance(member, P2PGroup):
+        if not member.spec.p2p:  # no transfer setting is rendered
+            return out
         t = member.spec.transfer
         if t.host_staging.enabled and _is_default(t.host_staging, "bytes"):
             out.append(

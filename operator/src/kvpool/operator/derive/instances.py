@@ -15,6 +15,7 @@ from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.derive import names
 from kvpool.operator.derive.platform import pd_sender_pull
 from kvpool.operator.derive.ports import InstancePorts, p2p_ports, pd_ports
+from kvpool.operator.derive.sim import sim_flags
 
 WORKER_SHUTDOWN_DEADLINE_SECONDS = 30
 
@@ -72,8 +73,16 @@ def instance_url(instance: str, namespace: str, port: int) -> str:
     return f"http://{names.instance_pod_host(instance, namespace)}:{port}"
 
 
+def engine_kind(engine: EngineSpec) -> str:
+    """``--engine`` of the worker: sim (engine.sim), reference (cpu) or vllm (ascend, cuda)."""
+    if engine.sim is not None:
+        return "sim"
+    return "reference" if engine.platform == "cpu" else "vllm"
+
+
 def worker_command(pool: KVCachePool, inst: Instance) -> list[str]:
-    """``kvpool-worker serve``: vLLM on ascend/cuda, the reference engine on cpu.
+    """``kvpool-worker serve``: vLLM on ascend/cuda, the reference engine on cpu, the
+    simulated engine (its profile and the pool's model shape) for engine.sim.
 
     The worker derives vLLM's --kv-transfer-config (connector, kv_role from pd_role,
     discard_partial_chunks, skip_last_n_tokens) from the mounted LMCache config; the operator
@@ -84,7 +93,7 @@ def worker_command(pool: KVCachePool, inst: Instance) -> list[str]:
         "kvpool-worker",
         "serve",
         "--engine",
-        "reference" if engine.platform == "cpu" else "vllm",
+        engine_kind(engine),
         "--platform",
         engine.platform,
         "--model",
@@ -106,6 +115,8 @@ def worker_command(pool: KVCachePool, inst: Instance) -> list[str]:
         "--shutdown-deadline",
         str(WORKER_SHUTDOWN_DEADLINE_SECONDS),
     ]
+    if engine.sim is not None:
+        command += sim_flags(pool, engine.sim)
     if engine.args:
         command += ["--", *engine.args]
     return command

@@ -182,8 +182,9 @@ def _controller(pool: KVCachePool, inst: InstancePorts) -> dict[str, Any]:
 def p2p_config(
     pool: KVCachePool, group: P2PGroup, inst: InstancePorts, fingerprint: str
 ) -> dict[str, Any]:
-    """kvpool's LMCache settings of one P2P instance (kv_both, registered with the controller);
-    every key returned is owned by kvpool (see derive/ownership.py for the overrides)."""
+    """kvpool's LMCache settings of one P2P-group instance (kv_both, registered with the
+    controller; with ``p2p: false`` no P2P key at all); every key returned is owned by kvpool
+    (see derive/ownership.py for the overrides)."""
     spec = group.spec
     platform = spec.engine.platform
     transfer = spec.transfer
@@ -192,27 +193,30 @@ def p2p_config(
     cfg = _common(pool, inst, fingerprint)
     cfg.update(_tiers(pool, inst.name, local_cpu=True))
     cfg.update(_controller(pool, inst))
-    cfg.update(
-        {
-            "enable_p2p": True,
-            "p2p_host": names.instance_pod_host(inst.name, ns),
-            "p2p_init_ports": inst.lists["p2p_init_ports"],
-            "p2p_lookup_ports": inst.lists["p2p_lookup_ports"],
-            "transfer_channel": channel,
-            "enable_async_loading": spec.enable_async_loading,
-            "use_layerwise": spec.use_layerwise,
-        }
-    )
+    cfg["enable_async_loading"] = spec.enable_async_loading
+    cfg["use_layerwise"] = spec.use_layerwise
     if spec.cache_policy is not None:
         cfg["cache_policy"] = spec.cache_policy
-    if channel == "nixl":
-        cfg["nixl_backends"] = ["UCX"]
     extra: dict[str, Any] = dict(cfg.get("extra_config", {}))
     # LMCache's default (30 s) keeps a worker waiting on a heartbeat that was in flight when
     # the controller died; with 3 s the worker re-registers and full-syncs within seconds
     # (measured by the controller's recovery benchmark).
     extra["worker_socket_recv_timeout_ms"] = WORKER_SOCKET_RECV_TIMEOUT_MS
-    if platform == "ascend":
+    if spec.save_only_first_rank:
+        extra["save_only_first_rank"] = True
+    if spec.p2p:
+        cfg.update(
+            {
+                "enable_p2p": True,
+                "p2p_host": names.instance_pod_host(inst.name, ns),
+                "p2p_init_ports": inst.lists["p2p_init_ports"],
+                "p2p_lookup_ports": inst.lists["p2p_lookup_ports"],
+                "transfer_channel": channel,
+            }
+        )
+        if channel == "nixl":
+            cfg["nixl_backends"] = ["UCX"]
+    if spec.p2p and platform == "ascend":
         cfg.update(
             {
                 "p2p_use_npu": transfer.use_npu,
@@ -226,8 +230,6 @@ def p2p_config(
         extra["use_host_staging"] = transfer.host_staging.enabled
         if transfer.host_staging.enabled:
             extra["os_staging_bytes"] = transfer.host_staging.bytes
-    if spec.save_only_first_rank:
-        extra["save_only_first_rank"] = True
     if extra:
         cfg["extra_config"] = dict(sorted(extra.items()))
     return dict(sorted(cfg.items()))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from kvpool.operator.api.members import P2PGroup, PDPair
+from kvpool.operator.api.members import SIM_PROFILES, P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.derive.instances import (
     instances,
@@ -53,6 +53,13 @@ def _probe_pools() -> list[KVCachePool]:
     return [
         KVCachePool.model_validate({**base, "spec": {**base["spec"], "tiers": t}}) for t in tiers
     ]
+
+
+def _sim_probe() -> P2PGroup:
+    """A simulated group setting every optional sim field (every sim flag is rendered)."""
+    sim = {"profile": SIM_PROFILES[0], "deviceKVGiB": 1, "maxNumSeqs": 1, "maxNumBatchedTokens": 1}
+    spec = {"poolRef": {"name": "probe"}, "engine": {"platform": "cpu", "sim": sim}}
+    return P2PGroup.model_validate({"metadata": {"name": "s"}, "spec": spec})
 
 
 def _probe_members() -> list[P2PGroup | PDPair]:
@@ -98,11 +105,13 @@ def owned_lmcache_keys() -> frozenset[str]:
 
 
 @cache
-def owned_engine_flags() -> frozenset[str]:
-    """Every flag kvpool puts on a worker's command line, plus the vLLM flags it derives."""
+def owned_engine_flags(*, sim: bool = False) -> frozenset[str]:
+    """Every flag kvpool puts on a worker's command line, plus the vLLM flags it derives;
+    ``sim``: of a simulated engine (its own flags too: ``--max-num-seqs`` is kvpool's there,
+    while a vLLM engine's args may set vLLM's)."""
     flags: set[str] = set(WORKER_VLLM_FLAGS)
     pool = _probe_pools()[0]
-    for member in _probe_members():
+    for member in [*_probe_members(), *([_sim_probe()] if sim else [])]:
         for inst in instances(member):
             flags.update(owned_flags(worker_command(pool, inst)))
     return frozenset(flags)

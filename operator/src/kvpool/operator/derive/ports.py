@@ -35,14 +35,20 @@ def _block(ports_per_instance: int) -> int:
     return int(math.ceil(ports_per_instance / 10.0) * 10)
 
 
-def p2p_block_size(tp: int) -> int:
-    """Ports reserved per P2P instance: HTTP + 3 lists of TP ports, rounded up to tens."""
-    return _block(1 + 3 * tp)
+def p2p_block_size(tp: int, *, p2p: bool = True) -> int:
+    """Ports reserved per P2P-group instance: HTTP + 3 lists of TP ports (1 list, the
+    controller's worker ports, when the group does not pull KV from peers), rounded up to tens."""
+    return _block(1 + (3 if p2p else 1) * tp)
 
 
 def pd_block_size(prefill_tp: int, decode_tp: int) -> int:
     """Ports reserved per PD instance: HTTP + 2 lists of TP ports, rounded up to tens."""
     return _block(1 + 2 * max(prefill_tp, decode_tp))
+
+
+#: The per-rank lists of a P2P-group instance, in block order; a group with ``p2p: false``
+#: binds only the first (the controller's worker ports).
+P2P_LISTS = ("lmcache_worker_ports", "p2p_init_ports", "p2p_lookup_ports")
 
 
 def _seq(start: int, count: int) -> list[int]:
@@ -54,39 +60,19 @@ def p2p_ports(group: P2PGroup) -> list[InstancePorts]:
     spec = group.spec
     tp = spec.tensor_parallel_size
     name = group.metadata.name
+    keys = P2P_LISTS if spec.p2p else P2P_LISTS[:1]
     result: list[InstancePorts] = []
     if spec.ports.instances is not None:
         for i, explicit in enumerate(spec.ports.instances):
-            result.append(
-                InstancePorts(
-                    name=f"{name}-{i}",
-                    role="p2p",
-                    index=i,
-                    http=explicit.http,
-                    lists={
-                        "lmcache_worker_ports": list(explicit.worker_ports),
-                        "p2p_init_ports": list(explicit.init_ports),
-                        "p2p_lookup_ports": list(explicit.lookup_ports),
-                    },
-                )
-            )
+            given = (explicit.worker_ports, explicit.init_ports, explicit.lookup_ports)
+            lists = {k: list(ports) for k, ports in zip(keys, given, strict=False)}
+            result.append(InstancePorts(f"{name}-{i}", "p2p", i, explicit.http, lists))
         return result
-    block = p2p_block_size(tp)
+    block = p2p_block_size(tp, p2p=spec.p2p)
     for i in range(spec.replicas):
         start = spec.ports.base + i * block
-        result.append(
-            InstancePorts(
-                name=f"{name}-{i}",
-                role="p2p",
-                index=i,
-                http=start,
-                lists={
-                    "lmcache_worker_ports": _seq(start + 1, tp),
-                    "p2p_init_ports": _seq(start + 1 + tp, tp),
-                    "p2p_lookup_ports": _seq(start + 1 + 2 * tp, tp),
-                },
-            )
-        )
+        lists = {k: _seq(start + 1 + j * tp, tp) for j, k in enumerate(keys)}
+        result.append(InstancePorts(f"{name}-{i}", "p2p", i, start, lists))
     return result
 
 
@@ -122,7 +108,7 @@ def member_port_range(member: P2PGroup | PDPair) -> tuple[int, int]:
         if member.spec.ports.instances is not None:
             every = [p for inst in ports for p in inst.all_ports()]
             return (min(every), max(every)) if every else (0, 0)
-        block = p2p_block_size(member.spec.tensor_parallel_size)
+        block = p2p_block_size(member.spec.tensor_parallel_size, p2p=member.spec.p2p)
         return member.spec.ports.base, member.spec.ports.base + len(ports) * block - 1
     spec = member.spec
     block = pd_block_size(spec.prefill.tensor_parallel_size, spec.decode.tensor_parallel_size)

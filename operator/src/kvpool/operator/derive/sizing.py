@@ -40,11 +40,22 @@ def _mooncake(pool: KVCachePool) -> Parts:
     return [("Mooncake buffer", remote.mooncake.local_buffer_size)]
 
 
+def role_engine(member: P2PGroup | PDPair, role: str) -> EngineSpec:
+    """The engine the instances of ``role`` (p2p, prefill, decode) run."""
+    if isinstance(member, P2PGroup):
+        return member.spec.engine
+    return member.spec.prefill.engine if role == "prefill" else member.spec.decode.engine
+
+
 def rank_parts(pool: KVCachePool, member: P2PGroup | PDPair, role: str) -> Parts:
-    """Host memory one LMCache worker (TP rank) of ``role`` pins, by purpose."""
+    """Host memory one LMCache worker (TP rank) of ``role`` pins, by purpose. A simulated
+    engine pins none: its tiers are bounded counters of the rendered sizes."""
+    if role_engine(member, role).sim is not None:
+        return []
     if isinstance(member, P2PGroup):
         staging = member.spec.transfer.host_staging
-        parts: Parts = [("staging", staging.bytes)] if staging.enabled else []
+        on = staging.enabled and member.spec.p2p  # HostStaging is a P2P transfer buffer
+        parts: Parts = [("staging", staging.bytes)] if on else []
         return [*parts, ("CPU cache", pool.spec.tiers.cpu.size), *_mooncake(pool)]
     transfer = member.spec.transfer
     parts = []  # PD instances run without the local CPU tier
@@ -82,6 +93,10 @@ def instance_host_bytes(pool: KVCachePool, member: P2PGroup | PDPair, role: str,
     return tp * sum(size for _, size in rank_parts(pool, member, role))
 
 
+#: The budget's term for a simulated engine's instances (rule 7's host memory is not theirs).
+SIMULATED_TIERS = "0: sim, its tiers are simulated and allocate no host memory"
+
+
 def _terms(parts: Parts) -> str:
     return " + ".join(f"{format_bytes(size)} {name}" for name, size in parts) or "0"
 
@@ -94,7 +109,8 @@ def member_memory_budget(pool: KVCachePool, member: P2PGroup | PDPair) -> Memory
     for label, role, count, tp, engine in groups:
         parts = rank_parts(pool, member, role)
         rank_bytes = sum(size for _, size in parts)
-        pieces.append(f"{count} {label} x TP {tp} = {count * tp} workers x ({_terms(parts)})")
+        terms = _terms(parts) if engine.sim is None else SIMULATED_TIERS
+        pieces.append(f"{count} {label} x TP {tp} = {count * tp} workers x ({terms})")
         total += count * tp * rank_bytes
         workers += count * tp
         per_worker = max(per_worker, rank_bytes)

@@ -32,8 +32,11 @@ from kvpool.protocol.domain import REQUIRED_WORKER_ENV
 Obj = k8s.Obj
 
 
-def worker_env(pool: KVCachePool, engine: EngineSpec, inst: InstancePorts) -> list[Obj]:
-    """Rule 9 env plus the domain env (rule 1) and the pod IP for LMCache's host keys."""
+def worker_env(
+    pool: KVCachePool, engine: EngineSpec, inst: InstancePorts, *, p2p: bool = True
+) -> list[Obj]:
+    """Rule 9 env plus the domain env (rule 1) and the pod IP for LMCache's host keys
+    (``p2p``: whether a P2P-group instance pulls from its peers, i.e. has a p2p_host)."""
     out = [
         *k8s.domain_env(pool),
         *(k8s.env(name, value) for name, value in REQUIRED_WORKER_ENV.items()),
@@ -41,7 +44,7 @@ def worker_env(pool: KVCachePool, engine: EngineSpec, inst: InstancePorts) -> li
         k8s.env("KVPOOL_INSTANCE", inst.name),
         k8s.field_env("POD_IP", "status.podIP"),
     ]
-    if inst.role == "p2p":
+    if inst.role == "p2p" and p2p:
         out.append(k8s.field_env("LMCACHE_P2P_HOST", "status.podIP"))
     elif inst.role == "decode" or engine.platform == "ascend":
         out.append(k8s.field_env("LMCACHE_PD_PEER_HOST", "status.podIP"))
@@ -61,8 +64,9 @@ def _quantity(value: int) -> str:
 
 def worker_resources(pool: KVCachePool, member: P2PGroup | PDPair, inst: Instance) -> Obj:
     """The engine's resources plus the host memory LMCache pins in this pod (staging, CPU
-    cache, PD buffers, Mooncake buffer; rule 7), so the scheduler never packs more instances
-    on a node than its memory holds; accelerators requested = acceleratorCount or TP."""
+    cache, PD buffers, Mooncake buffer; rule 7; none for a simulated engine, whose tiers
+    allocate nothing), so the scheduler never packs more instances on a node than its memory
+    holds; accelerators requested = acceleratorCount or TP."""
     lmcache = instance_host_bytes(pool, member, inst.role, inst.tp)
     spec = inst.engine.resources
     requests, limits = dict(spec.requests), dict(spec.limits)
@@ -135,7 +139,7 @@ def instance_objects(
         "engine",
         engine.image or pool.spec.images.worker,
         worker_command(pool, instance),
-        worker_env(pool, engine, inst),
+        worker_env(pool, engine, inst, p2p=isinstance(member, P2PGroup) and member.spec.p2p),
         _port_names(inst),
         worker_resources(pool, member, instance),
         # vLLM serves /health; kvpool's reference engine serves /readyz (false while draining).

@@ -121,18 +121,19 @@ def _gateway_config(
     pd: list[dict[str, Any]] = []
     for member in sorted(members, key=lambda m: (m.kind, m.metadata.name)):
         if isinstance(member, P2PGroup):
-            p2p.append(
-                {
-                    "name": member.metadata.name,
-                    "instances": [
-                        {
-                            "name": inst.name,
-                            "url": instance_url(inst.name, ns, inst.http),
-                        }
-                        for inst in p2p_ports(member)
-                    ],
-                }
-            )
+            group: dict[str, Any] = {
+                "name": member.metadata.name,
+                "instances": [
+                    {
+                        "name": inst.name,
+                        "url": instance_url(inst.name, ns, inst.http),
+                    }
+                    for inst in p2p_ports(member)
+                ],
+            }
+            if not member.spec.p2p:  # members never pull from each other: no peer credit
+                group["p2p"] = False
+            p2p.append(group)
         elif ready_pd_pairs is None or member.metadata.name in ready_pd_pairs:
             insts = pd_ports(member, sender_pull=pd_sender_pull(member))
             pd.append(

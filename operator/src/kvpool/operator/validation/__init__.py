@@ -12,7 +12,13 @@ from kvpool.operator.api.common import MemoryBudget
 from kvpool.operator.api.members import P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.derive.sizing import member_memory_budget
-from kvpool.operator.validation import rules_domain, rules_ports, rules_sizing, rules_transfer
+from kvpool.operator.validation import (
+    rules_domain,
+    rules_ports,
+    rules_sim,
+    rules_sizing,
+    rules_transfer,
+)
 from kvpool.operator.validation.problems import Patch, Problem, apply_patches, errors, warnings
 
 RULES = (
@@ -28,6 +34,7 @@ RULES = (
     rules_transfer.rule8_pd,
     rules_sizing.rule9_accelerators,
     rules_sizing.rule10_mla,
+    rules_sim.rule_sim,
 )
 
 

@@ -32,6 +32,14 @@ _FLAG_FIELDS = {
     "--kv-cache-dtype": "the pool's model.kvDtype",
     "--port": "ports.base (kvpool allocates every port)",
     "--host": "nothing (workers listen on the pod network)",
+    "--sim-profile": "engine.sim.profile",
+    "--sim-speedup": "engine.sim.speedup",
+    "--sim-device-kv-gib": "engine.sim.deviceKVGiB",
+    "--max-num-seqs": "engine.sim.maxNumSeqs",
+    "--max-num-batched-tokens": "engine.sim.maxNumBatchedTokens",
+    "--num-layers": "the pool's model.numLayers",
+    "--num-kv-heads": "the pool's model.numKvHeads",
+    "--head-dim": "the pool's model.headDim",
 }
 
 
@@ -70,7 +78,6 @@ def rule1_domain(pool: KVCachePool, members: Members) -> list[Problem]:
             )
         )
     out += _hashing(members)
-    owned = owned_engine_flags()
     for member in members:
         if member.spec.pool_ref.name != pool.metadata.name:
             out.append(
@@ -99,6 +106,7 @@ def rule1_domain(pool: KVCachePool, members: Members) -> list[Problem]:
                         patch=(remove_field(member, f"{path}.blockSize"),),
                     )
                 )
+            owned = owned_engine_flags(sim=engine.sim is not None)
             for flag in sorted({a.split("=", 1)[0] for a in engine.args} & owned):
                 hint = _FLAG_FIELDS.get(flag, "the field kvpool derives it from")
                 out.append(
@@ -245,7 +253,11 @@ def model_relations(pool: KVCachePool, members: Members) -> list[Problem]:
                 patch=(set_field(pool, "spec.chunkSize", fixed),),
             )
         )
-    cpu = sorted(key(m) for m in members if "cpu" in member_platforms(m))
+    cpu = sorted(
+        key(m)
+        for m in members
+        if any(e.platform == "cpu" and e.sim is None for _, e, _ in engines(m))
+    )  # the simulated engine only counts KV bytes: every dtype of the API is fine for it
     if cpu and model.kv_dtype not in REFERENCE_ENGINE_KV_DTYPES:
         out.append(
             Problem(

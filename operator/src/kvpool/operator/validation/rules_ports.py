@@ -61,11 +61,14 @@ def _explicit_lists(member: P2PGroup, out: list[Problem]) -> None:
             )
         )
     for i, ports in enumerate(explicit):
-        for name, values in (
+        lists = [
             ("workerPorts", ports.worker_ports),
             ("initPorts", ports.init_ports),
             ("lookupPorts", ports.lookup_ports),
-        ):
+        ]
+        if not spec.p2p:
+            lists = lists[:1]
+        for name, values in lists:
             if len(values) != spec.tensor_parallel_size:
                 out.append(
                     Problem(
@@ -81,12 +84,31 @@ def _explicit_lists(member: P2PGroup, out: list[Problem]) -> None:
                 )
 
 
+def _unused_p2p_lists(member: P2PGroup, out: list[Problem]) -> None:
+    """Explicit P2P port lists of a group with ``p2p: false``: bound by nothing."""
+    explicit = member.spec.ports.instances or []
+    if member.spec.p2p or not any(p.init_ports or p.lookup_ports for p in explicit):
+        return
+    kept = [p.model_dump(by_alias=True, exclude={"init_ports", "lookup_ports"}) for p in explicit]
+    out.append(
+        Problem(
+            where(member, "spec.ports.instances"),
+            "lists initPorts/lookupPorts, but a group with p2p: false binds no P2P ports",
+            "remove initPorts and lookupPorts from ports.instances, or set p2p: true",
+            rule=2,
+            code="ports.explicit-p2p",
+            patch=(set_field(member, "spec.ports.instances", kept),),
+        )
+    )
+
+
 def rule2_ports(pool: KVCachePool, members: Members) -> list[Problem]:
     """Per-rank lists have exactly TP entries; no port is bound twice where pods share a node."""
     out: list[Problem] = []
     for member in members:
         if isinstance(member, P2PGroup) and _explicit(member):
             _explicit_lists(member, out)
+            _unused_p2p_lists(member, out)
         every = [p for inst in member_instances(member) for p in inst.all_ports()]
         dupes = sorted(p for p, n in Counter(every).items() if n > 1)
         if dupes:

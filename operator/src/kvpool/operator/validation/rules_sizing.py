@@ -30,7 +30,9 @@ def _buffers(member: P2PGroup | PDPair) -> list[tuple[str, int, int]]:
     """(field, bytes, TP) of every buffer that must hold one chunk per rank."""
     if isinstance(member, P2PGroup):
         t, tp = member.spec.transfer, member.spec.tensor_parallel_size
-        out = []
+        out: list[tuple[str, int, int]] = []
+        if not member.spec.p2p:  # no P2P buffer is rendered
+            return out
         if t.host_staging.enabled:
             out.append(("spec.transfer.hostStaging.bytes", t.host_staging.bytes, tp))
         if member.spec.engine.platform == "ascend" and t.use_npu:
@@ -50,7 +52,8 @@ def _buffers(member: P2PGroup | PDPair) -> list[tuple[str, int, int]]:
 
 def _staging_warning(pool: KVCachePool, group: P2PGroup) -> list[Problem]:
     hs, tp = group.spec.transfer.host_staging, group.spec.tensor_parallel_size
-    if not (hs.enabled and hs.expected_concurrent_requests and hs.expected_hit_tokens):
+    on = hs.enabled and group.spec.p2p
+    if not (on and hs.expected_concurrent_requests and hs.expected_hit_tokens):
         return []
     per_token = kv_bytes_per_token_per_rank(pool, tp)
     need = hs.expected_concurrent_requests * hs.expected_hit_tokens * per_token
@@ -137,7 +140,8 @@ def _fit_patch(
 
 
 def budget_warnings(pool: KVCachePool, members: Members) -> list[Problem]:
-    """A worker pod whose memory request (LMCache host memory + engine) exceeds a node."""
+    """A worker pod whose memory request (LMCache host memory + engine) exceeds a node (a
+    simulated engine's request is its engine's alone: its tiers allocate nothing)."""
     allocatable = pool.spec.node_allocatable_memory
     if allocatable is None:
         return []
@@ -223,6 +227,8 @@ def rule10_mla(pool: KVCachePool, members: Members) -> list[Problem]:
                     patch=(remove_field(member, "spec.saveOnlyFirstRank"),),
                 )
             )
+            continue
+        if not member.spec.p2p:  # the eager pull applies to P2P; nothing is pulled
             continue
         wanted = (
             ("pullMode", t.pull_mode, True),

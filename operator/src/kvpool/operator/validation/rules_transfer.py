@@ -7,7 +7,7 @@ look fine in YAML and fail (or silently do less) at run time.
 
 from __future__ import annotations
 
-from kvpool.operator.api.members import P2PGroup, PDPair
+from kvpool.operator.api.members import P2PGroup, P2PTransfer, PDPair
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.derive.instances import engines
 from kvpool.operator.derive.lmcache_config import ASCEND_ONLY_KEYS, UPSTREAM_KEYS
@@ -25,8 +25,9 @@ Members = list[P2PGroup | PDPair]
 
 
 def rule4_p2p_disk(pool: KVCachePool, members: Members) -> list[Problem]:
-    """P2P and the local-disk tier are mutually exclusive in one domain (upstream bug)."""
-    groups = [m for m in members if isinstance(m, P2PGroup)]
+    """P2P and the local-disk tier are mutually exclusive in one domain (upstream bug); a group
+    with ``p2p: false`` pulls nothing and may use the disk tier."""
+    groups = [m for m in members if isinstance(m, P2PGroup) and m.spec.p2p]
     if pool.spec.tiers.disk is None or not groups:
         return []
     listed = ", ".join(g.metadata.name for g in groups)
@@ -61,8 +62,28 @@ def _channel(member: P2PGroup | PDPair, platform: str) -> list[Problem]:
     ]
 
 
+def _unused_transfer(group: P2PGroup) -> list[Problem]:
+    """``p2p: false`` renders no transfer setting: say so when some are set."""
+    if group.spec.transfer == P2PTransfer():
+        return []
+    return [
+        Problem(
+            where(group, "spec.transfer"),
+            "transfer settings apply to P2P pulls; with p2p: false nothing is pulled and none "
+            "of them is rendered",
+            "remove spec.transfer, or set p2p: true",
+            rule=5,
+            severity="warning",
+            code="transfer.unused",
+            patch=(remove_field(group, "spec.transfer"),),
+        )
+    ]
+
+
 def _p2p_transfer(group: P2PGroup) -> list[Problem]:
     spec, t = group.spec, group.spec.transfer
+    if not spec.p2p:
+        return _unused_transfer(group)
     platform = spec.engine.platform
     out = _channel(group, platform)
     if platform != "ascend":
@@ -335,7 +356,8 @@ def rule8_pd(pool: KVCachePool, members: Members) -> list[Problem]:
     """PD/P2P not with use_layerwise; a PD pair's sides agree on platform, TP and buffer."""
     out: list[Problem] = []
     for member in members:
-        if member.spec.use_layerwise:
+        p2p_off = isinstance(member, P2PGroup) and not member.spec.p2p
+        if member.spec.use_layerwise and not p2p_off:
             kind = "P2P" if isinstance(member, P2PGroup) else "PD"
             out.append(
                 Problem(
