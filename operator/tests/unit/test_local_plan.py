@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from kvpool.operator.local import plan as ls
+from kvpool.operator.local.stack import pid_alive
 from kvpool.operator.local.up import render_files
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "cpu-demo.yaml"
@@ -261,3 +265,15 @@ def test_local_stack_root_is_absolute(tmp_path: Path, monkeypatch: pytest.Monkey
     stack = LocalStack([], Path(".kvpool/up"))
     assert stack.root == tmp_path / ".kvpool" / "up"
     assert stack.root.is_dir()
+
+
+def test_an_exited_child_not_yet_reaped_is_not_alive() -> None:
+    """``down`` waits for ``up`` to exit; when ``up`` is a child of the caller (``UpProcess``)
+    it stays a zombie until waited on, which must not count as running."""
+    proc = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while pid_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(proc.pid)
+    assert proc.wait(timeout=5) == 0
+    assert pid_alive(os.getpid())

@@ -318,14 +318,20 @@ class LocalStack:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process (or process group leader) with this id exists."""
+    """Whether a process (or process group leader) with this id runs. A zombie (exited, not
+    yet reaped by its parent: an ``up`` started by ``UpProcess`` until it is waited on) does
+    not: ``down`` would otherwise wait its whole grace period for a process that is gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+    except OSError:  # no procfs: signal 0 is all there is to go by
+        return True
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def stop_group(
