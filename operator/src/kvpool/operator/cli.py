@@ -106,7 +106,9 @@ def cmd_local(args: argparse.Namespace) -> int:
                 return 130
         if args.command == "down":
             return local.down(state_dir, sys.stdout)
-        return local.up(args.filename, state_dir, sys.stdout, args.ready_timeout, args.skip)
+        return local.up(
+            args.filename, state_dir, sys.stdout, args.ready_timeout, args.skip, args.sim_host
+        )
     except StackError as exc:
         print(f"kvpool-operator {args.command}: {exc}", file=sys.stderr)
         return 1
@@ -139,6 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     u.add_argument("--state-dir", default=None, help="state file and logs (default .kvpool/up)")
     u.add_argument("--ready-timeout", type=float, default=300.0, help="seconds per workload")
     u.add_argument("--skip", action="append", default=[], help="a workload not to start")
+    u.add_argument(
+        "--sim-host",
+        action="store_true",
+        help="run every simulated instance (engine.sim) of a domain in one `kvpool-worker "
+        "host` process instead of one process per pod",
+    )
     d = sub.add_parser("down", help="stop everything a running `up` started")
     d.add_argument("--state-dir", default=None, help="the state dir given to up")
     m = sub.add_parser("demo", help="up, replay an agent workload through the gateway, down")

@@ -17,6 +17,7 @@ cluster provides and a laptop lacks:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -58,6 +59,12 @@ class Workload:
     readiness: tuple[str, int] | None  # HTTP GET path, port
     cpu: str | None = None
     secret_env: dict[str, tuple[str, str]] = field(default_factory=dict)  # -> (secret, key)
+    labels: dict[str, str] = field(default_factory=dict)  # the workload's metadata labels
+
+    @property
+    def simulated(self) -> bool:
+        """A worker of kvpool's simulated engine (``kvpool-worker serve --engine sim``)."""
+        return ("--engine", "sim") in itertools.pairwise(self.argv)
 
 
 def _by_kind(objects: Sequence[Obj], kind: str) -> list[Obj]:
@@ -108,6 +115,7 @@ def workloads(objects: Sequence[Obj]) -> dict[str, Workload]:
             readiness=(probe["path"], int(probe["port"])) if probe else None,
             cpu=container.get("resources", {}).get("requests", {}).get("cpu"),
             secret_env=secret_env,
+            labels=dict(obj["metadata"].get("labels", {})),
         )
     return out
 
@@ -411,3 +419,24 @@ def check_rewrite(w: Workload, lw: LocalWorkload, cmap: ClusterMap) -> list[str]
     for key, (secret, item) in w.secret_env.items():
         seen.append(f"env.{key}: secretKeyRef {secret}/{item} -> (local secret)")
     return seen
+
+
+# --------------------------------------------------------------------------- sim hosts
+def sim_hosts(rendered: Mapping[str, Workload], names: Sequence[str]) -> dict[str, list[str]]:
+    """``up --sim-host``: one ``kvpool-worker host`` process per domain for its simulated
+    workers among ``names`` (in that order), keyed by the process name ``<pool>-sim-host``."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        w = rendered[name]
+        if w.component == "worker" and w.simulated:
+            pool = w.labels.get("kvpool.io/pool", "domain")
+            out.setdefault(f"{pool}-sim-host", []).append(name)
+    return out
+
+
+def host_instances(instances: Sequence[LocalWorkload]) -> str:
+    """The ``kvpool-worker host --instances`` file: each instance's local argv and env exactly
+    as the process would run alone (only the pod's env: nothing of this shell's)."""
+    return json.dumps(
+        [{"argv": lw.argv, "env": lw.env} for lw in instances], indent=1, sort_keys=True
+    )

@@ -23,7 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from kvpool.operator.local.plan import (
     Workload,
     check_rewrite,
     cluster_map,
+    host_instances,
     localize,
     workloads,
 )
@@ -94,13 +95,15 @@ def wait_port(port: int, alive: Callable[[], bool], what: str, timeout_s: float 
 
 @dataclass
 class Running:
-    """One started process: its workload, Popen handle, log and restart count."""
+    """One started process: its workload, Popen handle, log and restart count; ``hosts``: the
+    simulated instances a ``kvpool-worker host`` process serves (empty for any other)."""
 
     workload: LocalWorkload
     proc: subprocess.Popen[bytes]
     log: Path
     restarts: int = 0
     exited_at: float | None = None
+    hosts: list[LocalWorkload] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -166,9 +169,12 @@ class LocalStack:
             lw.env.setdefault("OMP_NUM_THREADS", w.cpu)  # what the pod's CPU share does to torch
         return lw
 
-    def start(self, lw: LocalWorkload, restarts: int = 0) -> Running:
-        """Write its files, start it in its own process group, log to ``<root>/logs/<name>.log``."""
-        for path, text in lw.files.items():
+    def start(
+        self, lw: LocalWorkload, restarts: int = 0, hosts: Sequence[LocalWorkload] = ()
+    ) -> Running:
+        """Write its files, start it in its own process group, log to ``<root>/logs/<name>.log``
+        (``hosts``: the instances it serves, whose files are written too)."""
+        for path, text in [(p, t) for w in (lw, *hosts) for p, t in w.files.items()]:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text, encoding="utf-8")
         log = self.root / "logs" / f"{lw.name}.log"
@@ -184,10 +190,20 @@ class LocalStack:
                 cwd=self.root,
                 start_new_session=True,
             )
-        run = Running(lw, proc, log, restarts)
+        run = Running(lw, proc, log, restarts, hosts=list(hosts))
         self.running[lw.name] = run
         logger.info("started %s (pid %d), log %s", lw.name, proc.pid, log)
         return run
+
+    def start_host(self, name: str, instances: Sequence[LocalWorkload]) -> Running:
+        """One ``kvpool-worker host`` process serving the simulated ``instances``, each with the
+        argv, env and files ``prepare`` gave it to run alone; ``kvpool-worker`` parses and
+        checks each one as ``serve`` would (``plan.host_instances``)."""
+        path = str(self.root / name / "instances.json")
+        argv = ["kvpool-worker", "host", "--instances", path]
+        files = {path: host_instances(instances)}
+        host = LocalWorkload(name, "worker", argv, {}, files, {}, {}, None)
+        return self.start(host, hosts=instances)
 
     def start_service(self, service: NamedService) -> Running:
         """Start a service the pool names (its Redis) on its mapped local port."""
@@ -260,7 +276,7 @@ class LocalStack:
                 run.exited_at = now
                 notes.append(f"{name} exited with {run.proc.returncode}; log {run.log}")
             if now - run.exited_at >= min(cap_s, backoff_s * 2**run.restarts):
-                self.start(run.workload, run.restarts + 1)
+                self.start(run.workload, run.restarts + 1, run.hosts)
                 notes.append(f"{name} restarted (restart {run.restarts + 1})")
         return notes
 
@@ -302,18 +318,34 @@ class LocalStack:
                     run.proc.wait(timeout=5)
 
     def manifest(self) -> dict[str, Any]:
-        """What runs (pid, process group, ports, log) and every rewrite of the render."""
+        """What runs (pid, process group, ports, log) and every rewrite of the render; an
+        instance a host process serves is listed with that process's ids and log."""
+        out: dict[str, Any] = {}
+        for name, run in self.running.items():
+            for lw in [run.workload, *run.hosts]:
+                out[lw.name] = {
+                    "pid": run.proc.pid,
+                    "pgid": run.proc.pid,
+                    "component": lw.component,
+                    "argv": lw.argv,
+                    "ports": lw.ports,
+                    "log": str(run.log),
+                    "rewrites": self.rewrites.get(lw.name, []),
+                }
+                if lw is not run.workload:
+                    out[lw.name]["hosted_by"] = name
+            if run.hosts:
+                out[name]["hosts"] = [lw.name for lw in run.hosts]
+        return out
+
+    def endpoints(self) -> dict[str, str]:
+        """``name -> http://127.0.0.1:port`` for every workload with an HTTP port (an instance
+        a host process serves, by its own port)."""
         return {
-            name: {
-                "pid": run.proc.pid,
-                "pgid": run.proc.pid,
-                "component": run.workload.component,
-                "argv": run.workload.argv,
-                "ports": run.workload.ports,
-                "log": str(run.log),
-                "rewrites": self.rewrites.get(name, []),
-            }
-            for name, run in self.running.items()
+            lw.name: f"http://{LOOPBACK}:{lw.ports['http']}"
+            for run in self.running.values()
+            for lw in [run.workload, *run.hosts]
+            if "http" in lw.ports
         }
 
 

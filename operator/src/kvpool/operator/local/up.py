@@ -37,6 +37,7 @@ from kvpool.operator.local.plan import (
     Obj,
     StackError,
     named_services,
+    sim_hosts,
 )
 from kvpool.operator.local.stack import (
     LocalStack,
@@ -126,17 +127,12 @@ def stages(stack: LocalStack, order: list[str]) -> list[list[str]]:
     return out
 
 
-def endpoints(stack: LocalStack) -> dict[str, str]:
-    """``name -> http://127.0.0.1:port`` for every workload with an HTTP port."""
-    return {n: r.url for n, r in stack.running.items() if "http" in r.workload.ports}
-
-
 def write_state(state_dir: Path, stack: LocalStack, ready: bool) -> None:
     """The state file ``down`` and the callers of ``up`` read (written atomically)."""
     state: dict[str, Any] = {
         "up_pid": os.getpid(),
         "ready": ready,
-        "endpoints": endpoints(stack),
+        "endpoints": stack.endpoints(),
         "logs": str(stack.root / "logs"),
         "processes": stack.manifest(),
         "secrets": {f"{name}/{key}": value for (name, key), value in stack.secrets.items()},
@@ -176,6 +172,40 @@ def _running(run: Running) -> bool:
     return run.proc.poll() is None
 
 
+def _start_stage(
+    stack: LocalStack,
+    stage: list[str],
+    hosts: dict[str, list[str]],
+    step: int,
+    total: int,
+    say: Callable[[str], None],
+) -> list[tuple[int, Running]]:
+    """Start one stage: each workload in its own process, except the simulated instances of a
+    host process (``up --sim-host``), which start together in it. Returns what to wait on:
+    every workload, a hosted one with its host's process and log."""
+    runs: list[tuple[int, Running]] = []
+    hosted = {name: host for host, names in hosts.items() for name in names}
+    for name in stage:
+        if name not in hosted:
+            step += 1
+            run = stack.start(stack.prepare(name))
+            runs.append((step, run))
+            say(f"[{step}/{total}] {name} ({run.workload.component}) starting, log {run.log}")
+    for host, names in hosts.items():
+        mine = [n for n in names if n in stage]
+        if not mine:
+            continue
+        run = stack.start_host(host, [stack.prepare(n) for n in mine])
+        say(
+            f"[{step + 1}-{step + len(mine)}/{total}] {host} (kvpool-worker host) starting "
+            f"{len(mine)} simulated instances in one process, log {run.log}"
+        )
+        for lw in run.hosts:
+            step += 1
+            runs.append((step, Running(lw, run.proc, run.log)))
+    return runs
+
+
 def _serve(
     rendered: Rendered,
     state_dir: Path,
@@ -183,6 +213,7 @@ def _serve(
     stop: threading.Event,
     ready_timeout_s: float,
     skip: Sequence[str],
+    sim_host: bool = False,
 ) -> int:
     """Start the stages, then supervise until ``stop``; every process is stopped on return."""
     with LocalStack(rendered.objects, state_dir, rendered.services) as stack:
@@ -198,6 +229,9 @@ def _serve(
             say(f"skipped {name}: run it yourself; its ports here are {ports}")
         for name in order:  # every command exists, before anything starts
             resolve_command(stack.rendered[name].argv[0])
+        hosts = sim_hosts(stack.rendered, order) if sim_host else {}
+        if sim_host and not hosts:
+            say("--sim-host: no simulated instance (engine.sim) in the render to host")
         total = len(rendered.services) + len(order)
         step = 0
         for service in rendered.services:
@@ -207,12 +241,8 @@ def _serve(
             say(f"[{step}/{total}] {run.workload.name} listening on {LOOPBACK}:{port}")
             write_state(state_dir, stack, False)
         for stage in stages(stack, order):  # a stage starts together, like a rollout
-            runs = []
-            for name in stage:
-                step += 1
-                run = stack.start(stack.prepare(name))
-                runs.append((step, run))
-                say(f"[{step}/{total}] {name} ({run.workload.component}) starting, log {run.log}")
+            runs = _start_stage(stack, stage, hosts, step, total, say)
+            step += len(runs)
             write_state(state_dir, stack, False)
             for n, run in runs:
                 if run.workload.readiness is None:  # no HTTP probe: its first port listening
@@ -223,7 +253,7 @@ def _serve(
                 took = stack.wait_ready(run, ready_timeout_s, say, stop.is_set)
                 say(f"[{n}/{total}] {run.workload.name} ready after {took:.1f}s at {run.url}")
         write_state(state_dir, stack, True)
-        urls = endpoints(stack)
+        urls = stack.endpoints()
         for component in ("gateway", "controller"):
             for name in order:
                 if stack.rendered[name].component == component:
@@ -247,11 +277,14 @@ def up(
     out: TextIO,
     ready_timeout_s: float = 300.0,
     skip: Sequence[str] = (),
+    sim_host: bool = False,
 ) -> int:
     """Run the render until a signal or ``down``; 0 after a clean stop, 1 on a failure.
 
     ``skip`` names workloads not to start (one you run yourself, e.g. under a debugger: the
-    others still address it at its mapped local port, printed at the start)."""
+    others still address it at its mapped local port, printed at the start). ``sim_host``:
+    every simulated instance of a domain runs in one ``kvpool-worker host`` process (each as it
+    would run alone; the process is restarted as a whole), not one process per pod."""
     state_dir.mkdir(parents=True, exist_ok=True)
     previous = read_state(state_dir)
     if previous is not None and pid_alive(int(previous["up_pid"])):
@@ -268,7 +301,7 @@ def up(
         print(line, file=out, flush=True)
 
     try:
-        return _serve(rendered, state_dir, say, stop, ready_timeout_s, skip)
+        return _serve(rendered, state_dir, say, stop, ready_timeout_s, skip, sim_host)
     finally:  # stopped, failed or interrupted: nothing of this run is up any more
         (state_dir / STATE_FILE).unlink(missing_ok=True)
 
@@ -304,6 +337,7 @@ class UpProcess:
     files: Sequence[str]
     state_dir: Path
     skip: Sequence[str] = ()
+    sim_host: bool = False
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -317,6 +351,7 @@ class UpProcess:
         argv = [sys.executable, "-m", "kvpool.operator.cli", "up", "--state-dir"]
         argv += [str(self.state_dir)] + [a for f in self.files for a in ("-f", str(f))]
         argv += [a for name in self.skip for a in ("--skip", name)]
+        argv += ["--sim-host"] if self.sim_host else []
         with self.output.open("wb") as out:
             self.proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
