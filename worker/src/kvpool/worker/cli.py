@@ -79,6 +79,7 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--num-layers", "num_layers", int, "sim: layers of the pool's model (KV bytes per token)"),
     ("--num-kv-heads", "num_kv_heads", int, "sim: KV heads of the pool's model"),
     ("--head-dim", "head_dim", int, "sim: head dimension of the pool's model"),
+    ("--kv-events-config", "kv_events_config", str, "sim: vLLM's KV-event publisher (JSON)"),
     ("--platform", "platform", str, "vllm: ascend or cuda"),
     ("--ascend-connector", "ascend_connector", str, "vllm on ascend: dynamic or builtin"),
     ("--tensor-parallel-size", "tensor_parallel_size", int, "vllm: TP size"),

@@ -1,5 +1,6 @@
 """The worker's HTTP API: OpenAI completions and chat (streaming and not), models, tokenize,
-health, readiness, Prometheus metrics, and the internal agent memory API.
+vLLM's render endpoints, health, readiness, Prometheus metrics, and the internal agent memory
+API.
 
 Why this module exists: the gateway, benchmarks, e2e tests and people with ``curl`` all talk
 to a worker the way they talk to vLLM. This module is the glue between HTTP and an
@@ -52,6 +53,7 @@ from kvpool.worker.openai_render import (
     validation_body,
 )
 from kvpool.worker.pd_api import answer_params, build_pd_router, parse_kv_transfer
+from kvpool.worker.render_api import build_render_router
 
 logger = logging.getLogger(__name__)
 
@@ -429,6 +431,15 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
         )
         return await run(prep, body.stream, body.include_usage(), chat_chunk)
 
+    def render_completion(body: CompletionRequest) -> list[int]:
+        check_model(body.model)
+        return completion_prompt_ids(tok, body.prompt)
+
+    def render_chat(body: ChatCompletionRequest) -> list[int]:
+        check_model(body.model)
+        return chat_prompt(body.messages, body.add_generation_prompt)
+
+    app.include_router(build_render_router(engine, render_completion, render_chat))
     app.include_router(build_memory_router(engine, tok, runtime.sessions))
     app.include_router(build_pd_router(runtime.pd_info, engine))
     return app

@@ -80,6 +80,7 @@ class WorkerSettings(BaseSettings):
     num_layers: int | None = Field(default=None, ge=1)
     num_kv_heads: int | None = Field(default=None, ge=1)
     head_dim: int | None = Field(default=None, ge=1)
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (device KV events)
 
     # vLLM(-Ascend). "cpu" is what the operator renders for the reference engine's pods.
     platform: Literal["ascend", "cuda", "cpu"] = "ascend"

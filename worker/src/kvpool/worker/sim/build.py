@@ -30,6 +30,7 @@ from kvpool.worker.sim.config import (
     load_profile,
 )
 from kvpool.worker.sim.engine import SimEngine
+from kvpool.worker.sim.kv_events import DeviceEventPublisher, parse_kv_events_config
 from kvpool.worker.sim.lmcache_client import ControllerClient
 
 __all__ = ["SimConfigError", "build_sim_engine", "ordinary_token_ids", "worker_ip"]
@@ -74,6 +75,7 @@ def build_sim_engine(
     SimConfigError lists what to fix."""
     lmc = lmcache_view(config) if config is not None else None
     profile = load_profile(settings.sim_profile)
+    events = parse_kv_events_config(settings.kv_events_config)
     shape = SimShape(
         num_layers=settings.num_layers,
         num_kv_heads=settings.num_kv_heads,
@@ -98,7 +100,7 @@ def build_sim_engine(
         key = "pre_caching_hash_algorithm" if exc.field == "hash_algorithm" else exc.field
         raise SimConfigError([Problem(key, exc.reason, "re-render the config")]) from exc
     engine = SimEngine(
-        instance_name(lmc, settings.model),
+        instance_name(lmc, f"{settings.host}:{settings.port}"),
         inst,
         model_name=settings.model,
         hashing=hashing,
@@ -110,6 +112,10 @@ def build_sim_engine(
         disk_bytes=lmc.disk_bytes if lmc is not None else 0,
         worker_port=lmc.controller.worker_port if lmc is not None and lmc.controller else 0,
     )
+    if events is not None and events.enabled:
+        engine.kv_events = DeviceEventPublisher(
+            events, block_size=inst.block_size, chunk_size=inst.chunk_size, bind_host=settings.host
+        )
     if lmc is not None and lmc.controller is not None:
         engine.client = ControllerClient(
             lmc.controller,

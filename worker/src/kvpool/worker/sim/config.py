@@ -350,9 +350,10 @@ def instance_config(
     return config
 
 
-def instance_name(lmc: LmcacheView | None, model: str) -> str:
-    """The instance's name for logs: the part of lmcache_instance_id before the fingerprint."""
+def instance_name(lmc: LmcacheView | None, fallback: str) -> str:
+    """The instance's name (logs, ``/get_server_info``): the part of lmcache_instance_id before
+    the fingerprint; ``fallback`` (unique per worker, e.g. its address) without one."""
     if lmc is None or not lmc.instance_id:
-        return model
+        return fallback
     name, _ = split_instance_id(lmc.instance_id)
     return name or lmc.instance_id

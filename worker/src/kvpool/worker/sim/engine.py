@@ -18,7 +18,7 @@ driver that gives it wall time and turns its results into what the runtime consu
   ``SimRequest.peer_end``; simcore models the pull), abort when the client goes away, a
   bounded shutdown that deregisters from the controller;
 - every admit and evict simcore reports goes to the controller client (LMCache locations)
-  or the device-event sink, and is counted for ``/metrics``.
+  or vLLM's KV-event publisher (device, :mod:`.kv_events`), and is counted for ``/metrics``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.protocol.hashing import HashConfig, chunk_hashes
@@ -40,6 +40,7 @@ from kvpool.protocol.simcore.instance import (
 )
 from kvpool.protocol.simcore.kvcache import DEVICE, KvEvent
 from kvpool.worker.engine_api import EngineError, GenerationRequest, TokenEvent
+from kvpool.worker.sim.kv_events import DeviceEventPublisher
 from kvpool.worker.sim.lmcache_client import ControllerClient
 from kvpool.worker.sim.memory import TIER_OF_LOCATION, SimMemory
 
@@ -47,8 +48,6 @@ logger = logging.getLogger(__name__)
 
 ABORT_TOKEN_ID = -1  # token_id of a final event that carries no token
 _HIT_TIERS = (("device", "device"), ("ddr", "local_cpu"), ("disk", "local_disk"), ("p2p", "p2p"))
-
-DeviceSink = Callable[[list[KvEvent]], None]
 
 
 @dataclass(eq=False)
@@ -60,6 +59,7 @@ class _Stream:
     seed: int | None
     stop_ids: frozenset[int]
     arrival: float  # loop time
+    full: int = 0  # full chunks of the prompt (their tokens go to the KV-event publisher)
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     rng: random.Random | None = None
     done: bool = False
@@ -80,6 +80,7 @@ class SimEngine:
         vocab_size: int,
         speedup: float = 1.0,
         client: ControllerClient | None = None,
+        kv_events: DeviceEventPublisher | None = None,
         p2p: bool = False,
         cpu_bytes: int = 0,
         disk_bytes: int = 0,
@@ -96,8 +97,8 @@ class SimEngine:
         self.hashing = hashing
         self.speedup = speedup
         self.client = client
+        self.kv_events = kv_events
         self.p2p = p2p
-        self.device_sink: DeviceSink | None = None
         self.memory = SimMemory(
             self.instance,
             hashing,
@@ -124,6 +125,15 @@ class SimEngine:
         return (asyncio.get_running_loop().time() - self._t0) * self.speedup
 
     @property
+    def block_size(self) -> int:
+        """The domain's KV block size (``GET /get_server_info``)."""
+        return self.instance.config.block_size
+
+    def kv_event_sources(self) -> dict[str, dict[str, object]]:
+        """``GET /kv_event_sources``: where vLLM's KV events of this engine are published."""
+        return self.kv_events.config.sources() if self.kv_events is not None else {}
+
+    @property
     def controller_refusal(self) -> str | None:
         """Why the controller refused this worker (the runtime's ``/readyz`` says refused)."""
         return self.client.refusal if self.client is not None else None
@@ -141,6 +151,8 @@ class SimEngine:
         if self._started:
             return
         self._t0 = asyncio.get_running_loop().time()
+        if self.kv_events is not None:
+            await self.kv_events.start()
         if self.client is not None:
             await self.client.start()
         self._driver = asyncio.create_task(self._drive(), name=f"sim-{self.name}-steps")
@@ -174,6 +186,8 @@ class SimEngine:
                 await self._driver
         if self.client is not None:
             await self.client.close(min(1.0, max(end - loop.time(), 0.1)))
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     # --- requests --------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
@@ -220,6 +234,9 @@ class SimEngine:
             stop_ids=frozenset(sampling.stop_token_ids),
             arrival=asyncio.get_running_loop().time(),
         )
+        if self.kv_events is not None:
+            stream.full = min(len(req.keys), len(prompt) // self.instance.config.chunk_size)
+            self.kv_events.register(req.keys, prompt, stream.full)
         self._streams[rid] = stream
         return stream
 
@@ -242,7 +259,7 @@ class SimEngine:
             self.instance.submit(req, self.model_now())
         except SubmitError as exc:
             self._streams.pop(req.rid, None)
-            stream.done = True
+            self._ended(stream)
             raise EngineError(str(exc)) from exc
         stream.submitted = True
         self._count("requests_total")
@@ -258,7 +275,7 @@ class SimEngine:
             return
         if stream.submitted:
             self.instance.abort(rid)
-        stream.done = True
+        self._ended(stream)
         self._count("requests_aborted_total")
         stream.queue.put_nowait(
             TokenEvent(rid, ABORT_TOKEN_ID, stream.req.generated, True, "abort")
@@ -313,11 +330,16 @@ class SimEngine:
             if first:
                 self._first_token(r, event.ttft_s or 0.0)
             if last:
-                stream.done = True
+                self._ended(stream)
                 self._streams.pop(r.rid, None)
                 self._count("requests_finished_total")
             stream.queue.put_nowait(event)
         self._emit(result.events)
+
+    def _ended(self, stream: _Stream) -> None:
+        stream.done = True
+        if self.kv_events is not None:
+            self.kv_events.release(stream.req.keys, stream.full)
 
     def _token(self, stream: _Stream) -> int:
         if stream.rng is None:
@@ -350,8 +372,8 @@ class SimEngine:
         logger.error("sim engine %s: every in-flight request aborted after %r", self.name, exc)
 
     def _emit(self, events: list[KvEvent]) -> None:
-        """Count admits and evicts per tier; LMCache's go to the controller, device ones to the
-        device sink (vLLM's KV events)."""
+        """Count admits and evicts per tier; LMCache's go to the controller, device ones to
+        vLLM's KV-event publisher (one batch per call: per step)."""
         if not events:
             return
         device: list[KvEvent] = []
@@ -362,8 +384,8 @@ class SimEngine:
                 device.append(ev)
             elif self.client is not None:
                 self.client.kv_op(ev.location, ev.op, ev.key)
-        if device and self.device_sink is not None:
-            self.device_sink(device)
+        if device and self.kv_events is not None:
+            self.kv_events.publish(device)
 
     def _count(self, name: str, value: float = 1.0) -> None:
         self._counters[name] = self._counters.get(name, 0.0) + value
@@ -397,6 +419,8 @@ class SimEngine:
             )
             out["store_skipped_frozen_tokens"] = stats["store_skipped_frozen_tokens"]
             out["lmcache_frozen"] = 1.0 if inst.frozen else 0.0
+        if self.kv_events is not None:
+            out.update({f"{k}_total": v for k, v in self.kv_events.counters.items()})
         if self.client is not None:
             out.update(self.client.metrics())
             for loc, batcher in self.client.batchers.items():
