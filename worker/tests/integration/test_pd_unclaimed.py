@@ -2,19 +2,27 @@
 transfers nobody claims are freed after the TTL or on release, never under a retrieve.
 
 The test is the sender: it sends LMCache's own ``AllocRequest`` (msgpack over the receiver's
-ZMQ alloc socket, what ``PDBackend._remote_allocate`` sends) for a prompt's chunk keys and
-never follows with a decode, which is what every unclaimed transfer looks like to the
-receiver. LMCache itself allocates the pages and files the chunks (``_allocate_and_put``);
-the receiver's allocator shows the buffer filling. Time is passed to ``reap`` explicitly, so
-nothing here waits for a TTL.
+ZMQ alloc socket, what LMCache's sender sends: with a request id and its chunk count for the
+default async backend's admission) for a prompt's chunk keys and never follows with a decode,
+which is what every unclaimed transfer looks like to the receiver. LMCache itself allocates
+the pages and files the chunks; the receiver's allocator shows the buffer filling. Both PD
+backends of LMCache 0.5.6 are tested (``pd_backend_mode`` async, its default, and sync). Time
+is passed to ``reap`` explicitly, so nothing here waits for a TTL.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import re
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -23,7 +31,7 @@ import torch
 import zmq
 from lmcache.utils import TORCH_DTYPE_TO_STR_DTYPE
 from lmcache.v1.memory_management import MemoryFormat
-from lmcache.v1.storage_backend.pd_backend import AllocRequest, AllocResponse, PDMsg
+from lmcache.v1.storage_backend import pd_backend, pd_backend_async
 
 from kvpool.protocol.pd import DEFAULT_UNCLAIMED_TTL_SECONDS, UNCLAIMED_TTL_KEY
 from kvpool.worker.engine.offload import OffloadConfigError
@@ -34,43 +42,59 @@ TTL_S = 30.0
 CHUNK = 256
 
 
-def receiver_config(free_port: Callable[[], int], **extra: Any) -> dict[str, Any]:
+def receiver_config(
+    free_port: Callable[[], int], mode: str = "async", **extra: Any
+) -> dict[str, Any]:
     return {
         "chunk_size": CHUNK, "local_cpu": False, "enable_pd": True, "pd_role": "receiver",
         "pd_buffer_size": 16 * 2**20, "pd_buffer_device": "cpu", "pd_peer_host": "127.0.0.1",
         "pd_peer_init_port": [free_port()], "pd_peer_alloc_port": [free_port()],
-        "transfer_channel": "nixl", "nixl_backends": ["UCX"], "extra_config": extra,
+        "transfer_channel": "nixl", "nixl_backends": ["UCX"], "pd_backend_mode": mode,
+        "extra_config": extra,
     }  # fmt: skip
 
 
 @pytest.fixture
 def receiver(make_offload: Callable[..., Any], free_tcp_port: Callable[[], int]) -> Any:
-    return make_offload(receiver_config(free_tcp_port, **{UNCLAIMED_TTL_KEY: TTL_S}))
+    mode = os.environ.get("KVPOOL_TEST_PD_BACKEND_MODE", "async")
+    return make_offload(receiver_config(free_tcp_port, mode, **{UNCLAIMED_TTL_KEY: TTL_S}))
 
 
-@pytest.fixture
-def sender(receiver: Any) -> Iterator[Callable[[list[int]], AllocResponse]]:
+@contextlib.contextmanager
+def alloc_socket(receiver: Any) -> Iterator[Callable[[list[int]], Any]]:
     """Asks the receiver for space for a prompt, as LMCache's sender does, and never writes."""
+    wire: Any = pd_backend if receiver.config.pd_backend_mode == "sync" else pd_backend_async
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.REQ)
+    sock = ctx.socket(zmq.REQ)  # REQ speaks to both the sync REP and the async ROUTER
     sock.setsockopt(zmq.RCVTIMEO, 20_000)
     sock.connect(f"tcp://127.0.0.1:{receiver.config.pd_peer_alloc_port[0]}")
     shape = [2, receiver.num_layers, CHUNK, receiver.connector.row_width]
 
-    def alloc(tokens: list[int]) -> AllocResponse:
+    def alloc(tokens: list[int]) -> Any:
         keys = receiver.chunk_keys(tokens)  # PD forces save_unfull_chunk: the partial one too
-        last = len(tokens) - (len(keys) - 1) * CHUNK
-        request = AllocRequest(keys=keys, fmt=MemoryFormat.KV_2LTD.value, shape=list(shape),
-                               dtype=TORCH_DTYPE_TO_STR_DTYPE[torch.float32],
-                               last_chunk_toks=last)  # fmt: skip
-        sock.send(msgspec.msgpack.encode(request))
-        reply = msgspec.msgpack.decode(sock.recv(), type=PDMsg)
-        assert isinstance(reply, AllocResponse)
+        fields: dict[str, Any] = {
+            "keys": keys, "fmt": MemoryFormat.KV_2LTD.value, "shape": list(shape),
+            "dtype": TORCH_DTYPE_TO_STR_DTYPE[torch.float32],
+            "last_chunk_toks": len(tokens) - (len(keys) - 1) * CHUNK,
+        }  # fmt: skip
+        if wire is pd_backend_async:  # the async sender's admission fields
+            fields.update(req_id=uuid.uuid4().hex, is_last_batch=True, total_chunks=len(keys))
+        sock.send(msgspec.msgpack.encode(wire.AllocRequest(**fields)))
+        reply = msgspec.msgpack.decode(sock.recv(), type=wire.PDMsg)
+        assert isinstance(reply, wire.AllocResponse)
         return reply
 
-    yield alloc
-    sock.close(linger=0)
-    ctx.term()
+    try:
+        yield alloc
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+@pytest.fixture
+def sender(receiver: Any) -> Iterator[Callable[[list[int]], Any]]:
+    with alloc_socket(receiver) as alloc:
+        yield alloc
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -83,7 +107,7 @@ def usage(off: Any) -> dict[str, float]:
 
 
 def test_unclaimed_transfers_fill_the_buffer_until_the_ttl_frees_them(
-    receiver: Any, sender: Callable[[list[int]], AllocResponse]
+    receiver: Any, sender: Callable[[list[int]], Any]
 ) -> None:
     buffer = receiver._pd_buffer
     page = int(buffer._pages.align_bytes)
@@ -107,7 +131,7 @@ def test_unclaimed_transfers_fill_the_buffer_until_the_ttl_frees_them(
 
 
 def test_a_release_frees_one_transfer_of_each_chunk_and_the_ttl_the_rest(
-    receiver: Any, sender: Callable[[list[int]], AllocResponse]
+    receiver: Any, sender: Callable[[list[int]], Any]
 ) -> None:
     buffer = receiver._pd_buffer
     page = int(buffer._pages.align_bytes)
@@ -129,7 +153,7 @@ def test_a_release_frees_one_transfer_of_each_chunk_and_the_ttl_the_rest(
 
 
 def test_nothing_is_freed_while_the_decoder_looks_up_or_retrieves(
-    receiver: Any, sender: Callable[[list[int]], AllocResponse]
+    receiver: Any, sender: Callable[[list[int]], Any]
 ) -> None:
     """``lookup`` and ``retrieve`` run under the offload's lock: a scan waits for them."""
     buffer = receiver._pd_buffer
@@ -179,3 +203,25 @@ def test_the_tracker_restarts_a_chunk_on_a_new_page_or_a_new_transfer() -> None:
     assert t.observe({}, 30.0) == [] and len(t) == 0
     with pytest.raises(ValueError, match="ttl_s"):
         UnclaimedTracker(0)
+
+
+def test_the_sync_pd_backend_is_freed_the_same_way() -> None:
+    """LMCache's sync PD backend (``pd_backend_mode: sync``) leaves a retrieve's last
+    reference to its caller; the tests above run against it in their own process (its close
+    terms the process-wide zmq context, so a second sync receiver in one process cannot start).
+    """
+    if os.environ.get("KVPOOL_TEST_PD_BACKEND_MODE"):
+        pytest.skip("already the sync run")
+    module = __file__
+    for name in ("fill_the_buffer_until", "release_frees_one"):  # what depends on the mode
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module, "-k", name],
+            cwd=Path(module).parents[2],
+            env={**os.environ, "KVPOOL_TEST_PD_BACKEND_MODE": "sync"},
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+        passed = re.search(r"^1 passed", run.stdout, re.MULTILINE)
+        assert run.returncode == 0 and passed, run.stdout[-3000:]

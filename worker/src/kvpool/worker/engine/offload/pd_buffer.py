@@ -1,12 +1,14 @@
 """The decode side of PD: the receiver's buffer, its usage, and the transfers nobody claims.
 
-Why this module exists: LMCache 0.5.6's PD receiver (``PDBackend``, ``pd_role: receiver``)
-allocates pages of its paged buffer when a sender asks (``_allocate_and_put``), keeps each
-chunk's memory object in ``PDBackend.data`` under its chunk key, and frees it only when the
-decoder retrieves that chunk (``remove_after_retrieve``). A transfer nobody retrieves (a
-prefill-only answer, a client gone, a proxy restarted between prefill and decode) stays; once
-the buffer is full the receiver's allocation loop retries forever and every sender waits in
-its allocation request. This module frees:
+Why this module exists: LMCache 0.5.6's PD receiver (``PDBackendAsync``, its default
+``pd_backend_mode: async``, or ``PDBackend`` with ``sync``; both stored as the storage
+manager's ``"PDBackend"``) allocates pages of its paged buffer when a sender asks, keeps each
+chunk's memory object in ``.data`` under its chunk key, and frees it only when the decoder
+retrieves that chunk (``remove_after_retrieve``). A transfer nobody retrieves (a prefill-only
+answer, a client gone, a proxy restarted between prefill and decode) stays; once the buffer is
+full the receiver's allocation waits forever (``pd_allocation_timeout_sec`` is infinite by
+default), the sender's allocations for that decoder queue behind it, and no transfer to it
+completes any more. This module frees:
 
 - what stays unclaimed longer than a TTL: :class:`UnclaimedTracker` decides (pure),
   :class:`ReceiverBuffer` frees on its own daemon thread, holding the offload's lock, which
@@ -14,6 +16,10 @@ its allocation request. This module frees:
   freed under it;
 - a transfer the proxy says it will not claim (:meth:`ReceiverBuffer.release`), one
   reference per chunk, as a retrieve would.
+
+Both drop references the way LMCache's own retrieve does (the backend's ``remove``, plus the
+caller's ``ref_count_down`` for the sync backend, as ``LMCacheEngine.retrieve`` does), so the
+async backend also wakes the allocations waiting for a free page.
 
 A chunk sent twice (two prompts with a common prefix) is one memory object whose reference
 count LMCache raised for the second transfer: the tracker restarts its clock whenever that
@@ -31,6 +37,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+from lmcache.v1.storage_backend.pd_backend import PDBackend
 
 from kvpool.protocol.domain import split_instance_id
 
@@ -113,6 +121,8 @@ class ReceiverBuffer:
         allocators = backend.memory_allocator
         on_cpu = backend.corrected_device == "cpu"
         self._pages = allocators.cpu_allocator if on_cpu else allocators.gpu_allocator
+        # LMCache's sync PDBackend.remove leaves the reference to its caller (cache_engine.py)
+        self._caller_drops_ref = isinstance(backend, PDBackend)
         self.counters: dict[str, float] = {
             "pd_unclaimed_freed_total": 0.0,
             "pd_unclaimed_freed_bytes_total": 0.0,
@@ -177,19 +187,31 @@ class ReceiverBuffer:
         }
 
     # --- freeing ---------------------------------------------------------------------------------
+    def _drop_ref(self, key: Any, obj: Any) -> int:
+        """Drop one reference of ``key`` as a retrieve would; the bytes returned to the buffer
+        (its page's, when that was the last reference). Caller holds the offload's lock."""
+        if self.backend.data.get(key) is not obj:
+            return 0  # gone since it was seen (the alloc loop rolled it back)
+        self.backend.remove(key)
+        if self._caller_drops_ref:
+            obj.ref_count_down()
+        if obj.get_ref_count() > 0:
+            return 0
+        self.tracker.forget(key)
+        return int(obj.get_physical_size())
+
     def reap(self, now: float | None = None) -> tuple[int, int]:
         """Free every chunk unclaimed for the TTL; (chunks, bytes) freed."""
         now = self._clock() if now is None else now
         chunks = freed = 0
-        with self._lock, self.backend.data_lock:  # never under a lookup or a retrieve
-            data = self.backend.data
-            held = {k: (int(o.meta.address), int(o.get_ref_count())) for k, o in data.items()}
+        with self._lock:  # never under a lookup or a retrieve
+            with self.backend.data_lock:
+                objs = dict(self.backend.data)
+            held = {k: (int(o.meta.address), int(o.get_ref_count())) for k, o in objs.items()}
             for key in self.tracker.observe(held, now):
-                obj = data.pop(key)
-                self.tracker.forget(key)
-                freed += int(obj.get_physical_size())
-                for _ in range(max(int(obj.get_ref_count()), 1)):
-                    obj.ref_count_down()  # the last one returns the page to the allocator
+                obj = objs[key]
+                for _ in range(max(held[key][1], 1)):  # every transfer of it
+                    freed += self._drop_ref(key, obj)
                 chunks += 1
         if chunks:
             self.counters["pd_unclaimed_freed_total"] += chunks
@@ -201,23 +223,18 @@ class ReceiverBuffer:
         """Drop one transfer of each chunk in ``keys`` (the proxy will not decode it), as a
         retrieve would; (chunks released, bytes returned to the buffer). Once per ``req_id``."""
         chunks = freed = 0
-        with self._lock, self.backend.data_lock:
+        with self._lock:
             if req_id is not None:
                 if req_id in self._released:
                     return 0, 0
                 self._released[req_id] = None
                 while len(self._released) > RELEASED_IDS:
                     self._released.popitem(last=False)
-            data = self.backend.data
             for key in keys:
-                obj = data.get(key)
+                obj = self.backend.data.get(key)
                 if obj is None:
                     continue  # claimed, freed already, or never sent
-                if obj.get_ref_count() <= 1:
-                    del data[key]
-                    self.tracker.forget(key)
-                    freed += int(obj.get_physical_size())
-                obj.ref_count_down()
+                freed += self._drop_ref(key, obj)
                 chunks += 1
         self.counters["pd_released_total"] += chunks
         self.counters["pd_released_bytes_total"] += freed
