@@ -1,20 +1,23 @@
-"""Real processes for the integration tests: the reference domain's facts and environment, and
-a small supervisor that starts processes with logs, waits on their /readyz, and stops them."""
+"""Real processes for the integration tests: the reference domain's facts and environment, a
+small supervisor that starts processes with logs, waits on their /readyz, and stops them, and
+a real PD pair (two reference workers whose LMCache moves KV over NIXL/UCX)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from fakes import bound_socket
 
-from kvpool.protocol.domain import DomainFacts, domain_fingerprint
+from kvpool.protocol.domain import DomainFacts, domain_fingerprint, instance_id
 
 SEED = "42"
 FACTS = DomainFacts(16, 256, "builtin", SEED, "float32", "kvpool/reference-tiny")
@@ -79,3 +82,70 @@ class Procs:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+def _pd_config(name: str, role: str, buffer_bytes: int, lines: list[str]) -> str:
+    return "\n".join([
+        "chunk_size: 256", "enable_pd: true", "local_cpu: false", "nixl_backends: [UCX]",
+        "pd_buffer_device: cpu", f"pd_buffer_size: {buffer_bytes}", f"pd_role: {role}",
+        "pre_caching_hash_algorithm: builtin", "transfer_channel: nixl", "use_layerwise: false",
+        f"lmcache_instance_id: {instance_id(name, domain_fingerprint(FACTS))}", *lines, "",
+    ])  # fmt: skip
+
+
+def start_pd_pair(
+    procs: Procs,
+    root: Path,
+    *,
+    buffer_bytes: int = 64 * 2**20,
+    decoder_extra: str | None = None,
+    kv_blocks: int = 256,
+) -> dict[str, Any]:
+    """A prefill (sender, ``pre-0``) and a decode (receiver, ``dec-0``) reference worker,
+    configured as the operator renders a cpu PDPair (``pd_proxy_port``: the gateway's PULL);
+    ``decoder_extra``: the decoder's ``extra_config`` as YAML flow. Skips without NIXL."""
+    if importlib.util.find_spec("nixl") is None:
+        pytest.skip("NIXL is not installed (make install installs it)")
+    proxy_port, init_port, alloc_port = free_port(), free_port(), free_port()
+    decoder = ["pd_peer_host: 127.0.0.1", f"pd_peer_init_port: [{init_port}]",
+               f"pd_peer_alloc_port: [{alloc_port}]"]  # fmt: skip
+    if decoder_extra is not None:
+        decoder.append(f"extra_config: {decoder_extra}")
+    configs = {
+        "prefill": _pd_config("pre-0", "sender", buffer_bytes, [
+            "pd_proxy_host: 127.0.0.1", f"pd_proxy_port: {proxy_port}", "save_unfull_chunk: true",
+        ]),
+        "decode": _pd_config("dec-0", "receiver", buffer_bytes, decoder),
+    }  # fmt: skip
+    urls = {}
+    for role, text in configs.items():
+        path = root / f"{role}.yaml"
+        path.write_text(text)
+        port = free_port()
+        procs.start(
+            role,
+            [str(BIN / "kvpool-worker"), "serve", "--engine", "reference", "--platform", "cpu",
+             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+             "--block-size", "16", "--kv-dtype", "float32", "--num-kv-blocks", str(kv_blocks)],
+            {**base_env(), "LMCACHE_CONFIG_FILE": str(path), "LMCACHE_PD_PEER_HOST": "127.0.0.1"},
+        )  # fmt: skip
+        urls[role] = f"http://127.0.0.1:{port}"
+    for role, url in urls.items():
+        procs.wait_ready(role, url)
+    return {"urls": urls, "proxy_port": proxy_port, "init": init_port, "alloc": alloc_port}
+
+
+def pd_gateway_config(pair: dict[str, Any]) -> dict[str, Any]:
+    """The gateway's config for the pair of :func:`start_pd_pair` (PD pair ``pd``)."""
+    return {
+        "model": "kvpool/reference-tiny",
+        "chunkSize": 256,
+        "controllerUrl": "http://127.0.0.1:1",  # no controller: prefill goes by load
+        "pdPairs": [{
+            "name": "pd", "mode": "push", "proxyPort": pair["proxy_port"],
+            "prefill": [{"name": "pre-0", "url": pair["urls"]["prefill"]}],
+            "decode": [{"name": "dec-0", "url": pair["urls"]["decode"], "host": "127.0.0.1",
+                        "initPorts": [pair["init"]], "allocPorts": [pair["alloc"]]}],
+        }],
+        "limits": {"pdTransferTimeoutSeconds": 60},
+    }  # fmt: skip

@@ -6,7 +6,6 @@ run of the same prompt, and the decoder reports the prompt as served from the tr
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,75 +13,26 @@ from typing import Any
 import httpx
 import pytest
 from fakes import serving
-from realstack import BIN, FACTS, SEED, Procs, base_env, free_port
+from realstack import SEED, Procs, pd_gateway_config, start_pd_pair
 
 from kvpool.gateway.app import build_app
 from kvpool.gateway.config import GatewayEnv, parse_config
 from kvpool.gateway.state import build_state
-from kvpool.protocol.domain import domain_fingerprint, instance_id
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def _config(name: str, role: str, lines: list[str]) -> str:
-    return "\n".join([
-        "chunk_size: 256", "enable_pd: true", "local_cpu: false", "nixl_backends: [UCX]",
-        "pd_buffer_device: cpu", "pd_buffer_size: 67108864", f"pd_role: {role}",
-        "pre_caching_hash_algorithm: builtin", "transfer_channel: nixl", "use_layerwise: false",
-        f"lmcache_instance_id: {instance_id(name, domain_fingerprint(FACTS))}", *lines, "",
-    ])  # fmt: skip
-
-
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    if importlib.util.find_spec("nixl") is None:
-        pytest.skip("NIXL is not installed (make install installs it)")
     procs = Procs(tmp_path)
-    proxy_port, init_port, alloc_port = free_port(), free_port(), free_port()
-    configs = {
-        "prefill": _config("pre-0", "sender", [
-            "pd_proxy_host: 127.0.0.1", f"pd_proxy_port: {proxy_port}", "save_unfull_chunk: true",
-        ]),
-        "decode": _config("dec-0", "receiver", [
-            "pd_peer_host: 127.0.0.1", f"pd_peer_init_port: [{init_port}]",
-            f"pd_peer_alloc_port: [{alloc_port}]",
-        ]),
-    }  # fmt: skip
-    urls = {}
     try:
-        for role, text in configs.items():
-            path = tmp_path / f"{role}.yaml"
-            path.write_text(text)
-            port = free_port()
-            procs.start(
-                role,
-                [str(BIN / "kvpool-worker"), "serve", "--engine", "reference", "--platform", "cpu",
-                 "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-                 "--block-size", "16", "--kv-dtype", "float32", "--num-kv-blocks", "256"],
-                {**base_env(), "LMCACHE_CONFIG_FILE": str(path),
-                 "LMCACHE_PD_PEER_HOST": "127.0.0.1"},
-            )  # fmt: skip
-            urls[role] = f"http://127.0.0.1:{port}"
-        for role, url in urls.items():
-            procs.wait_ready(role, url)
-        yield {"urls": urls, "proxy_port": proxy_port, "init": init_port, "alloc": alloc_port}
+        yield start_pd_pair(procs, tmp_path)
     finally:
         procs.close()
 
 
 async def test_pd_through_the_gateway_equals_a_single_instance_run(pair: dict[str, Any]) -> None:
-    raw = {
-        "model": "kvpool/reference-tiny",
-        "chunkSize": 256,
-        "controllerUrl": "http://127.0.0.1:1",  # no controller: prefill goes by load
-        "pdPairs": [{
-            "name": "pd", "mode": "push", "proxyPort": pair["proxy_port"],
-            "prefill": [{"name": "pre-0", "url": pair["urls"]["prefill"]}],
-            "decode": [{"name": "dec-0", "url": pair["urls"]["decode"], "host": "127.0.0.1",
-                        "initPorts": [pair["init"]], "allocPorts": [pair["alloc"]]}],
-        }],
-        "limits": {"pdTransferTimeoutSeconds": 60},
-    }  # fmt: skip
+    raw = pd_gateway_config(pair)
     state = build_state(
         parse_config(raw), GatewayEnv(PYTHONHASHSEED=SEED), pd_bind_host="127.0.0.1"
     )

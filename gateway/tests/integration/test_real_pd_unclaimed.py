@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import random
 import signal
@@ -38,12 +37,11 @@ import pytest
 import yaml
 from fakes import serving
 from prometheus_client.parser import text_string_to_metric_families
-from realstack import BIN, FACTS, SEED, Procs, base_env, free_port
+from realstack import BIN, SEED, Procs, base_env, free_port, pd_gateway_config, start_pd_pair
 
 from kvpool.gateway.app import build_app
 from kvpool.gateway.config import GatewayEnv, parse_config
 from kvpool.gateway.state import build_state
-from kvpool.protocol.domain import domain_fingerprint, instance_id
 from kvpool.protocol.pd import UNCLAIMED_TTL_KEY
 
 pytestmark = pytest.mark.timeout(900)
@@ -63,79 +61,27 @@ def pages(n: int) -> int:
     return -(-n // CHUNK)
 
 
-def _config(name: str, role: str, lines: list[str]) -> str:
-    return "\n".join([
-        "chunk_size: 256", "enable_pd: true", "local_cpu: false", "nixl_backends: [UCX]",
-        "pd_buffer_device: cpu", f"pd_buffer_size: {BUFFER}", f"pd_role: {role}",
-        "pre_caching_hash_algorithm: builtin", "transfer_channel: nixl", "use_layerwise: false",
-        f"lmcache_instance_id: {instance_id(name, domain_fingerprint(FACTS))}", *lines, "",
-    ])  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A prefill (sender) and a decode (receiver) worker, configured as the operator renders a
     cpu PDPair, the decoder with a short unclaimed-transfer TTL."""
-    if importlib.util.find_spec("nixl") is None:
-        pytest.skip("NIXL is not installed (make install installs it)")
     tmp = tmp_path_factory.mktemp("pd-unclaimed")
     procs = Procs(tmp)
-    proxy_port, init_port, alloc_port = free_port(), free_port(), free_port()
-    configs = {
-        "prefill": _config("pre-0", "sender", [
-            "pd_proxy_host: 127.0.0.1", f"pd_proxy_port: {proxy_port}", "save_unfull_chunk: true",
-        ]),
-        "decode": _config("dec-0", "receiver", [
-            "pd_peer_host: 127.0.0.1", f"pd_peer_init_port: [{init_port}]",
-            f"pd_peer_alloc_port: [{alloc_port}]",
-            f"extra_config: {{{UNCLAIMED_TTL_KEY}: {TTL_S}}}",
-        ]),
-    }  # fmt: skip
-    urls = {}
     try:
-        for role, text in configs.items():
-            path = tmp / f"{role}.yaml"
-            path.write_text(text)
-            port = free_port()
-            procs.start(
-                role,
-                [str(BIN / "kvpool-worker"), "serve", "--engine", "reference", "--platform", "cpu",
-                 "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-                 "--block-size", "16", "--kv-dtype", "float32", "--num-kv-blocks", "512"],
-                {**base_env(), "LMCACHE_CONFIG_FILE": str(path),
-                 "LMCACHE_PD_PEER_HOST": "127.0.0.1"},
-            )  # fmt: skip
-            urls[role] = f"http://127.0.0.1:{port}"
-        for role, url in urls.items():
-            procs.wait_ready(role, url)
-        yield {
-            "urls": urls, "proxy_port": proxy_port, "init": init_port, "alloc": alloc_port,
-            "procs": procs, "tmp": tmp,
-        }  # fmt: skip
+        started = start_pd_pair(
+            procs, tmp, buffer_bytes=BUFFER, decoder_extra=f"{{{UNCLAIMED_TTL_KEY}: {TTL_S}}}",
+            kv_blocks=512,
+        )  # fmt: skip
+        yield {**started, "procs": procs, "tmp": tmp}
     finally:
         procs.close()
-
-
-def gateway_config(pair: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "model": "kvpool/reference-tiny",
-        "chunkSize": CHUNK,
-        "controllerUrl": "http://127.0.0.1:1",  # no controller: prefill goes by load
-        "pdPairs": [{
-            "name": "pd", "mode": "push", "proxyPort": pair["proxy_port"],
-            "prefill": [{"name": "pre-0", "url": pair["urls"]["prefill"]}],
-            "decode": [{"name": "dec-0", "url": pair["urls"]["decode"], "host": "127.0.0.1",
-                        "initPorts": [pair["init"]], "allocPorts": [pair["alloc"]]}],
-        }],
-        "limits": {"pdTransferTimeoutSeconds": 60},
-    }  # fmt: skip
 
 
 @contextlib.asynccontextmanager
 async def gateway(pair: dict[str, Any]) -> AsyncIterator[httpx.AsyncClient]:
     """The gateway in this process (its PULL socket on the pair's proxy port)."""
     state = build_state(
-        parse_config(gateway_config(pair)),
+        parse_config(pd_gateway_config(pair)),
         GatewayEnv(PYTHONHASHSEED=SEED),
         pd_bind_host="127.0.0.1",
     )
@@ -308,7 +254,7 @@ async def test_a_client_gone_between_prefill_and_decode_gets_no_decode_and_frees
 def start_gateway(pair: dict[str, Any], name: str) -> str:
     tmp: Path = pair["tmp"]
     path = tmp / "gateway.yaml"
-    path.write_text(yaml.safe_dump(gateway_config(pair)))
+    path.write_text(yaml.safe_dump(pd_gateway_config(pair)))
     port = free_port()
     pair["procs"].start(
         name,
