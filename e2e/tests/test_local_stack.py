@@ -24,6 +24,7 @@ import httpx
 import pytest
 from upstack import (
     CHUNK,
+    CLUSTER_REWRITES,
     EXAMPLE,
     READY_S,
     SETTLE_S,
@@ -44,9 +45,6 @@ from kvpool.operator.local.stack import LocalStack, free_port
 from kvpool.operator.local.up import cluster_from_state, render_files
 
 P2P = ("demo-p2p-0", "demo-p2p-1")
-CLUSTER_REWRITES = re.compile(
-    r"^(argv|env|files)\S*: .* -> .*$|^env\.\S+: (fieldRef status\.podIP|secretKeyRef \S+) -> "
-)
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "PDPair": PDPair,
 }
 POD_IP = "10.0.0.7"  # what the kubelet puts in valueFrom.fieldRef status.podIP
+INSTANCES_PER_MEMBER = 2  # parsed per member and variant (a 16-instance fleet: its first two)
 # Enum values that validate clean in no example, and why (so a silently narrowed API is seen).
 NEVER_CLEAN: dict[tuple[str, str, str], str] = {}
 # Values that are valid only with another field set too (the rules say so): set both.
@@ -162,7 +163,13 @@ def _collect() -> Variants:
                 continue
             if case is not None:
                 out.clean.add(case)
+            per_member: dict[str, int] = {}
             for w in workloads(objects).values():
+                member = w.labels.get("kvpool.io/member")
+                if member is not None:  # instances of a member differ in names and ports only
+                    per_member[member] = per_member.get(member, 0) + 1
+                    if per_member[member] > INSTANCES_PER_MEMBER:
+                        continue
                 key = json.dumps([w.component, w.argv, w.env, w.field_env, w.files])
                 out.loads.setdefault(key, (source, w))
     return out
@@ -280,6 +287,9 @@ def test_rendered_worker_parses_and_passes_its_own_start_checks(
             assert "vllm.entrypoints.openai.api_server" in vllm
             _assert_vllm_accepts_dtypes(vllm)
             return
+        if settings.engine == "sim":
+            _assert_sim_builds_from_the_render(cli, settings, env)
+            return
         from kvpool.worker.engine.model import model_shape
         from kvpool.worker.engine.offload.config import kv_dtype, load_config
 
@@ -290,6 +300,20 @@ def test_rendered_worker_parses_and_passes_its_own_start_checks(
         kv_dtype(settings.kv_dtype)  # the reference engine's dtype table
         shape = model_shape(cli.reference_options(settings, env["LMCACHE_CONFIG_FILE"]))
         assert shape.num_layers > 0
+
+
+def _assert_sim_builds_from_the_render(cli: Any, settings: Any, env: dict[str, str]) -> None:
+    """The simulated worker passes its start checks (the reference engine's contract, then
+    what it models of the config) and runs the rendered profile, shape and tiers."""
+    config = cli.enforce_contract(settings, env)
+    engine = cli.build_sim(settings, env, cli.tokenizer_for(settings))
+    inst = engine.instance.config
+    assert inst.profile.name == settings.sim_profile
+    assert engine.speedup == settings.sim_speedup
+    assert (inst.chunk_size, inst.block_size) == (config["chunk_size"], settings.block_size)
+    assert inst.ddr_chunks > 0  # the rendered CPU tier bounds the simulated DDR
+    assert (engine.client is not None) == bool(config.get("enable_controller"))
+    assert engine.p2p == bool(config.get("enable_p2p"))
 
 
 # What vLLM's argument parser accepts (vLLM cannot be installed here, so its choices are

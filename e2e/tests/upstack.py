@@ -27,6 +27,10 @@ from kvpool.operator.local.up import UpProcess, render_files
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cpu-demo.yaml"
 READY_S = 600.0  # the whole render on a shared 2-core box
+#: What ``up`` may change in the render (state file ``rewrites``): cluster rewrites only.
+CLUSTER_REWRITES = re.compile(
+    r"^(argv|env|files)\S*: .* -> .*$|^env\.\S+: (fieldRef status\.podIP|secretKeyRef \S+) -> "
+)
 SETTLE_S = 20.0  # admit events reach the controller asynchronously (LMCache batches them)
 CHUNK = 256
 
