@@ -51,7 +51,9 @@ class P2PGroupConfig(_Model):
     name: str
     instances: list[InstanceRef]
     p2p: bool = Field(
-        True, description="members pull each other's KV (P2PGroup spec.p2p): credit peers' hits"
+        True,
+        alias="p2p",  # to_camel would make it "p2P"
+        description="members pull each other's KV (P2PGroup spec.p2p): credit peers' hits",
     )
 
 
