@@ -133,7 +133,7 @@ def test_profiles_by_name_or_path(tmp_path: Any) -> None:
     with pytest.raises(SimConfigError) as info:
         load_profile("nope")
     assert info.value.problems[0].field == "--sim-profile"
-    assert "h100-llama-3.1-8b-vllm" in info.value.problems[0].fix
+    assert "h100-llama-3.1-8b-vllm" in info.value.problems[0].message
     with pytest.raises(SimConfigError, match="is required"):
         load_profile(None)
 

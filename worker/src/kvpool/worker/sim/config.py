@@ -254,7 +254,7 @@ def load_profile(spec: str | None) -> PerfProfile:
             return parse_profile(path.read_bytes(), str(path))
         return bundled_profile(spec)
     except (ProfileError, OSError) as exc:
-        fix = f"name one of {choices} or the path of a profile file (protocol/README.md)"
+        fix = "pass a bundled profile's name or a profile file's path (protocol/README.md)"
         raise SimConfigError([Problem("--sim-profile", str(exc), fix)]) from exc
 
 
