@@ -254,15 +254,46 @@ class IndexClient:
 
 def hits_by_name(raw: Mapping[str, InstanceHit]) -> dict[str, PrefixHit]:
     """An index's answer (kvpool.protocol.index) as the router takes it: one hit per
-    configured instance name. The fleet simulator asks its own index through this too."""
-    return _by_name((iid, h.hit_chunks, h.per_location) for iid, h in raw.items())
+    configured instance name. The fleet simulator asks its own index through this too.
+
+    Equal hits (the same chunks in the same tiers, as every holder of a shared system prompt
+    has) are one :class:`PrefixHit` object, built once per answer: a thousand holders cost a
+    thousand dictionary look-ups, not a thousand objects (and the policy weighs each distinct
+    hit once)."""
+    out: dict[str, PrefixHit] = {}
+    same: dict[tuple[int, tuple[tuple[str, int], ...]], PrefixHit] = {}
+    for instance_id, h in raw.items():
+        name = _name_of(instance_id)
+        chunks = h.hit_chunks
+        prev = out.get(name)
+        if prev is None or chunks > prev.hit_chunks:
+            key = (chunks, tuple(h.per_location.items()))
+            hit = same.get(key)
+            if hit is None:
+                hit = same[key] = PrefixHit(chunks, dict(h.per_location))
+            out[name] = hit
+    return out
+
+
+#: instance id -> configured name (ids are few and long-lived; dropped when it grows past this)
+_NAMES: dict[str, str] = {}
+_NAMES_LIMIT = 1 << 16
+
+
+def _name_of(instance_id: str) -> str:
+    name = _NAMES.get(instance_id)
+    if name is None:
+        if len(_NAMES) >= _NAMES_LIMIT:
+            _NAMES.clear()
+        name = _NAMES[instance_id] = split_instance_id(instance_id)[0]
+    return name
 
 
 def _by_name(rows: Any) -> dict[str, PrefixHit]:
     """Controller instance ids (``name~fingerprint``) → configured instance names."""
     out: dict[str, PrefixHit] = {}
     for instance_id, chunks, per_location in rows:
-        name = split_instance_id(instance_id)[0]
+        name = _name_of(instance_id)
         prev = out.get(name)
         if prev is None or chunks > prev.hit_chunks:
             out[name] = PrefixHit(chunks, dict(per_location))

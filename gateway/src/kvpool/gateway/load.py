@@ -195,8 +195,33 @@ class PendingPrefixes:
         holders = self._by_hash.get(hashes[0])
         if not holders:
             return {}
-        out = {inst: self.hit(inst, hashes, now) for inst in holders}
-        return {inst: n for inst, n in out.items() if n}
+        # :meth:`hit` for each holder; the chunks of one recorded prompt share one entry, so
+        # an entry's liveness is checked once per run of it (a hot prefix has hundreds of holders)
+        entries = self._entries
+        ttl = self.ttl_s
+        out: dict[str, int] = {}
+        for inst in holders:
+            n = 0
+            last: tuple[float, Ticket | None] | None = None
+            for h in hashes:
+                entry = entries.get((inst, h))
+                if entry is None:
+                    break
+                if entry is not last:
+                    expiry, ticket = entry  # _alive, inlined
+                    if ticket is None:
+                        if expiry <= now:
+                            break
+                    elif ticket.first_byte_at is not None:
+                        if ticket.first_byte_at + ttl <= now:
+                            break
+                    elif ticket.done:
+                        break
+                    last = entry
+                n += 1
+            if n:
+                out[inst] = n
+        return out
 
 
 def extend_hit(indexed: PrefixHit | None, chunks: int, location: str) -> PrefixHit | None:

@@ -273,13 +273,31 @@ class KvAwarePolicy:
         return cls(s.prefix_weight, s.load_weight, guards=s.guards)
 
     def cached(self, request: RouteRequest, c: Candidates) -> FloatArray:
-        """H_i for every candidate (tier-weighted cached prefix tokens)."""
+        """H_i for every candidate (tier-weighted cached prefix tokens).
+
+        Most holders of a prompt hold the same thing (a shared system prompt: the same chunks
+        in the same tiers), so each distinct hit is weighed once: by object first (the index
+        client hands equal hits out as one object), then by content (chunks and per-tier
+        counts in their order, so the sum is the same floating-point operations)."""
         h: FloatArray = np.zeros(len(c), dtype=np.float64)
         args = (request.chunk_size, request.prompt_tokens, self.tier_weights)
+        by_id: dict[int, float] = {}
+        by_value: dict[tuple[int, tuple[tuple[str, int], ...]], float] = {}
+
+        def weigh(hit: PrefixHit) -> float:
+            value = by_id.get(id(hit))
+            if value is None:
+                key = (hit.hit_chunks, tuple(hit.per_location.items()))
+                value = by_value.get(key)
+                if value is None:
+                    value = by_value[key] = weighted_hit_tokens(hit, *args)
+                by_id[id(hit)] = value
+            return value
+
         for positions, hit in c.shared:
-            h[positions] = weighted_hit_tokens(hit, *args)
+            h[positions] = weigh(hit)
         for i, hit in c.hits.items():
-            h[i] = weighted_hit_tokens(hit, *args)
+            h[i] = weigh(hit)
         return h
 
     def load_cost(self, request: RouteRequest, c: Candidates) -> FloatArray:

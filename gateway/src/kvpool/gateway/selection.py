@@ -81,6 +81,7 @@ class Selector:
     chunk_size: int
     clock: Callable[[], float] = time.monotonic
     _columns: _PoolColumns | None = None
+    _puller_groups: tuple[InstanceSet, dict[str, str]] | None = None
 
     async def hits(self, prompt: Prompt) -> dict[str, PrefixHit] | None:
         if self.index is None:
@@ -109,16 +110,25 @@ class Selector:
         group_best = self._group_best(hits)
         sparse: dict[int, PrefixHit] = {}
         if hits or pending:
-            position = static.position()
-            for name in hits.keys() | pending.keys():
-                i = position.get(name)
-                if i is None:
-                    continue
-                hit = merge_pending(hits.get(name), pending.get(name, 0))
-                if avail[i].pulls:  # P2P: a peer's chunks can be pulled (tier p2p)
-                    hit = extend_hit(hit, group_best.get(avail[i].group, 0), P2P_LOCATION)
-                if hit is not None:
+            # each instance's index hit, extended by its pending chunks, then (a P2P member)
+            # by the longest prefix its group holds
+            where = static.position().get
+            for name, hit in hits.items():
+                i = where(name)
+                if i is not None:
                     sparse[i] = hit
+            for name, chunks in pending.items():
+                i = where(name)
+                if i is not None:
+                    merged = merge_pending(hits.get(name), chunks)
+                    if merged is not None:
+                        sparse[i] = merged
+            if group_best:  # (extending by 0 chunks changes nothing)
+                for i, hit in list(sparse.items()):
+                    inst = avail[i]
+                    if inst.pulls:  # P2P: a peer's chunks can be pulled (tier p2p)
+                        best = group_best.get(inst.group, 0)
+                        sparse[i] = extend_hit(hit, best, P2P_LOCATION) or hit
         shared: list[tuple[IntArray, PrefixHit]] = []
         if group_best:
             groups = static.groups()
@@ -142,14 +152,26 @@ class Selector:
             self._columns = columns
         return columns
 
+    def _pullers(self) -> dict[str, str]:
+        """Name -> P2P group of every configured instance that can pull from its group (the
+        configuration's; kept for this instance set)."""
+        cached = self._puller_groups
+        if cached is None or cached[0] is not self.instances:
+            groups = {i.name: i.group for i in self.instances if i.pulls}
+            cached = self._puller_groups = (self.instances, groups)
+        return cached[1]
+
     def _group_best(self, hits: dict[str, PrefixHit]) -> dict[str, int]:
         """Per P2P group, the longest prefix one of its peers holds (one pass over the hits,
         so building the candidates is O(instances), not O(instances x group size))."""
         best: dict[str, int] = {}
+        pullers = self._pullers()
+        if not pullers:
+            return best
         for name, hit in hits.items():
-            inst = self.instances.by_name.get(name)
-            if inst is not None and inst.pulls and hit.hit_chunks > best.get(inst.group, 0):
-                best[inst.group] = hit.hit_chunks
+            group = pullers.get(name)
+            if group is not None and hit.hit_chunks > best.get(group, 0):
+                best[group] = hit.hit_chunks
         return best
 
     def decide(
