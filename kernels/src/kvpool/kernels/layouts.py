@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from kvpool.kernels import device
+from kvpool.kernels import device, hostcopy
 
 PagedLayout = Literal["flash_nhd", "flash_hnd", "flashinfer_nhd", "flashinfer_hnd", "mla"]
 ChunkFormat = Literal["KV_2LTD", "KV_2TD", "KV_MLA_FMT"]
@@ -306,3 +306,153 @@ def chunk_to_paged(
         bs, h, d = dst.size(2), dst.size(3), dst.size(4)
         for kv in range(2):
             dst[kv][slots // bs, slots % bs] = rows_of(src[kv]).reshape(-1, h, d)
+
+
+# --- many chunks in one call ------------------------------------------------------------------
+def chunks_to_paged(
+    chunks: Sequence[torch.Tensor],
+    kv_caches: Sequence[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    *,
+    layout: PagedLayout = "flash_nhd",
+    fmt: ChunkFormat = "KV_2LTD",
+    threads: int | None = None,
+) -> None:
+    """Scatter several chunks in one call: chunk ``i`` holds the tokens
+    ``slot_mapping[o_i : o_i + T_i]`` (``o_i`` the tokens of the chunks before it).
+
+    Same semantics as :func:`chunk_to_paged` chunk by chunk (negative slots skipped,
+    duplicate slots across all chunks rejected). Host tensors in the flash NHD layout and
+    ``KV_2LTD`` take one copy plan run by :mod:`kvpool.kernels.hostcopy` on up to
+    ``threads`` threads (default: the cores); anything else falls back to one
+    :func:`chunk_to_paged` per chunk.
+    """
+    spans = _spans(chunks, slot_mapping, fmt)
+    plan = _host_plan(chunks, kv_caches, slot_mapping, layout, fmt, "chunk_to_paged")
+    if plan is None:
+        for chunk, (a, b) in zip(chunks, spans, strict=True):
+            chunk_to_paged(chunk, kv_caches, slot_mapping[a:b], layout=layout, fmt=fmt)
+        return
+    chunk_addr, cache_addr, nbytes, slots = plan
+    valid = slots[slots >= 0]
+    if valid.numel() > 1:
+        ordered = valid.sort().values
+        if bool((ordered[1:] == ordered[:-1]).any()):
+            raise LayoutError(
+                "slot_mapping has duplicate slots: a scatter would race; fix the engine"
+            )
+    hostcopy.run(chunk_addr, cache_addr, nbytes, threads=threads)
+
+
+def paged_to_chunks(
+    kv_caches: Sequence[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    outs: Sequence[torch.Tensor],
+    *,
+    layout: PagedLayout = "flash_nhd",
+    fmt: ChunkFormat = "KV_2LTD",
+    threads: int | None = None,
+) -> None:
+    """Gather into several chunks in one call (the reverse of :func:`chunks_to_paged`):
+    ``outs[i]`` receives the tokens ``slot_mapping[o_i : o_i + T_i]``; rows of negative
+    slots are left untouched."""
+    spans = _spans(outs, slot_mapping, fmt)
+    plan = _host_plan(outs, kv_caches, slot_mapping, layout, fmt, "paged_to_chunk")
+    if plan is None:
+        for out, (a, b) in zip(outs, spans, strict=True):
+            paged_to_chunk(kv_caches, slot_mapping[a:b], out, layout=layout, fmt=fmt)
+        return
+    chunk_addr, cache_addr, nbytes, _ = plan
+    hostcopy.run(cache_addr, chunk_addr, nbytes, threads=threads)
+
+
+def _spans(
+    chunks: Sequence[torch.Tensor], slot_mapping: torch.Tensor, fmt: ChunkFormat
+) -> list[tuple[int, int]]:
+    """Token range of each chunk in ``slot_mapping``; their sum must be its length."""
+    axis = 1 if fmt == "KV_2TD" else 2
+    spans: list[tuple[int, int]] = []
+    start = 0
+    for i, chunk in enumerate(chunks):
+        if chunk.dim() <= axis:
+            raise LayoutError(f"chunks[{i}] has shape {list(chunk.shape)}, not {fmt}")
+        spans.append((start, start + int(chunk.size(axis))))
+        start += int(chunk.size(axis))
+    if slot_mapping.dim() != 1 or start != slot_mapping.numel():
+        raise LayoutError(
+            f"the chunks hold {start} tokens but slot_mapping has shape "
+            f"{list(slot_mapping.shape)}: pass the chunks' slots concatenated"
+        )
+    return spans
+
+
+_Plan = tuple[hostcopy.I64, hostcopy.I64, hostcopy.I64, torch.Tensor]
+
+
+def _host_plan(
+    chunks: Sequence[torch.Tensor],
+    kv_caches: Sequence[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    layout: PagedLayout,
+    fmt: ChunkFormat,
+    op: str,
+) -> _Plan | None:
+    """(chunk-side addresses, cache-side addresses, bytes, slots) of every copy, one per run
+    of consecutive slots per layer and K/V; None when the tensors do not allow raw host
+    copies (another device or layout, a non-contiguous tensor, a registered device op).
+    Every shape, dtype and slot bound is checked before an address is computed."""
+    if not chunks or not kv_caches or layout != "flash_nhd" or fmt != "KV_2LTD":
+        return None
+    first = kv_caches[0]
+    tensors = [*kv_caches, *chunks]
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return None
+    if device.accelerated(op, chunks[0]) is not None:
+        return None
+    if first.dim() != 5 or first.size(0) != 2:
+        raise LayoutError(f"layout {layout} expects [2, NB, BS, H, D], got {list(first.shape)}")
+    layers = len(kv_caches)
+    _, nb, bs, h, d = first.shape
+    for i, c in enumerate(kv_caches):
+        if c.shape != first.shape or c.dtype != first.dtype:
+            raise LayoutError(f"kv_caches[{i}] differs in shape/dtype from kv_caches[0]")
+    for i, c in enumerate(chunks):
+        if c.dtype != first.dtype:
+            raise LayoutError(f"chunks[{i}] dtype {c.dtype} != kv cache dtype {first.dtype}")
+        if c.dim() != 4 or (c.size(0), c.size(1), c.size(3)) != (2, layers, h * d):
+            raise LayoutError(
+                f"chunks[{i}] shape {list(c.shape)} != expected [2, {layers}, T, {h * d}] for {fmt}"
+            )
+    if slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise LayoutError(f"slot_mapping must be int64/int32, got {slot_mapping.dtype}")
+    slots = slot_mapping.to(device="cpu", dtype=torch.long)
+    n = slots.numel()
+    if n and int(slots.max()) >= nb * bs:
+        raise LayoutError(f"slot {int(slots.max())} is out of range: the cache has {nb * bs} slots")
+    row = h * d * first.element_size()
+    tokens = torch.tensor([int(c.size(2)) for c in chunks], dtype=torch.long)
+    chunk_of = torch.repeat_interleave(torch.arange(len(chunks)), tokens)
+    t_in = torch.arange(n) - (torch.cumsum(tokens, 0) - tokens)[chunk_of]
+    valid = slots >= 0
+    follows = torch.zeros(n, dtype=torch.bool)
+    if n > 1:
+        follows[1:] = valid[:-1] & (slots[1:] == slots[:-1] + 1) & (chunk_of[1:] == chunk_of[:-1])
+    starts = (valid & ~follows).nonzero().squeeze(1)
+    run_of = torch.cumsum((valid & ~follows).to(torch.long), 0) - 1
+    lengths = torch.bincount(run_of[valid], minlength=starts.numel())
+    c = chunk_of[starts].view(-1, 1, 1)
+    kv = torch.arange(2).view(1, 2, 1)
+    layer = torch.arange(layers).view(1, 1, layers)
+    chunk_base = torch.tensor([t.data_ptr() for t in chunks], dtype=torch.long)
+    cache_base = torch.tensor([t.data_ptr() for t in kv_caches], dtype=torch.long)
+    chunk_addr = (
+        chunk_base[c] + ((kv * layers + layer) * tokens[c] + t_in[starts].view(-1, 1, 1)) * row
+    )
+    cache_addr = cache_base.view(1, 1, -1) + (kv * (nb * bs) + slots[starts].view(-1, 1, 1)) * row
+    nbytes = (lengths * row).view(-1, 1, 1).expand(-1, 2, layers)
+    return (
+        chunk_addr.reshape(-1).numpy(),
+        cache_addr.reshape(-1).numpy(),
+        nbytes.reshape(-1).numpy(),
+        slots,
+    )

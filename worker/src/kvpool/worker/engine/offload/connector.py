@@ -27,7 +27,7 @@ import torch
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryObj
 
-from kvpool.kernels.layouts import PagedLayout, chunk_to_paged, paged_to_chunk
+from kvpool.kernels.layouts import PagedLayout, chunks_to_paged, paged_to_chunks
 from kvpool.worker.engine.offload import guard
 
 logger = logging.getLogger(__name__)
@@ -88,15 +88,7 @@ class CPUPagedConnector(GPUConnectorInterface):  # type: ignore[misc]
         return torch.Size([2, self.num_layers, num_tokens, self.row_width])
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        kv_caches, slot_mapping, tokens = _store_args(kwargs)
-        chunk = _tensor(memory_obj)
-        paged_to_chunk(
-            kv_caches,
-            slot_mapping[start:end],
-            guard.payload(chunk, self.hidden),
-            layout=self.layout,
-        )
-        guard.seal(chunk, self.hidden, tokens[start:end])
+        self.batched_from_gpu([memory_obj], [start], [end], **kwargs)
 
     def batched_from_gpu(
         self,
@@ -105,8 +97,17 @@ class CPUPagedConnector(GPUConnectorInterface):  # type: ignore[misc]
         ends: Sequence[int],
         **kwargs: Any,
     ) -> None:
-        for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
-            self.from_gpu(memory_obj, start, end, **kwargs)
+        """Gather every chunk of a store in one copy plan, then seal each chunk."""
+        kv_caches, slot_mapping, tokens = _store_args(kwargs)
+        chunks = [_tensor(m) for m in memory_objs]
+        paged_to_chunks(
+            kv_caches,
+            _concat_slots(slot_mapping, starts, ends),
+            [guard.payload(c, self.hidden) for c in chunks],
+            layout=self.layout,
+        )
+        for chunk, start, end in zip(chunks, starts, ends, strict=True):
+            guard.seal(chunk, self.hidden, tokens[start:end])
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         self.batched_to_gpu([memory_obj], [start], [end], **kwargs)
@@ -136,11 +137,11 @@ class CPUPagedConnector(GPUConnectorInterface):  # type: ignore[misc]
                     report.bad_chunk_starts.append(start)
                     break
             good.append((_tensor(memory_obj), start, end))
-        for chunk, start, end in good:
-            chunk_to_paged(
-                guard.payload(chunk, self.hidden),
+        if good:  # one copy plan for every chunk of the retrieve
+            chunks_to_paged(
+                [guard.payload(chunk, self.hidden) for chunk, _, _ in good],
                 kv_caches,
-                slot_mapping[start:end],
+                _concat_slots(slot_mapping, [s for _, s, _ in good], [e for _, _, e in good]),
                 layout=self.layout,
             )
 
@@ -162,6 +163,15 @@ def _tensor(memory_obj: MemoryObj) -> torch.Tensor:
         raise ValueError("LMCache memory object has no tensor")
     assert isinstance(t, torch.Tensor)
     return t
+
+
+def _concat_slots(
+    slot_mapping: torch.Tensor, starts: Sequence[int], ends: Sequence[int]
+) -> torch.Tensor:
+    """The slots of the chunks ``[start, end)``, in their order, as one tensor."""
+    if len(starts) == 1:
+        return slot_mapping[starts[0] : ends[0]]
+    return torch.cat([slot_mapping[s:e] for s, e in zip(starts, ends, strict=True)])
 
 
 def _store_args(kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
