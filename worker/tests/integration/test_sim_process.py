@@ -7,8 +7,9 @@ exactly the chunks in their DDR tier under the LMCache chunk hashes of the promp
 return from ``/tokenize`` (computed here with kvpool.protocol.hashing), evictions under a small
 DDR reach it, a repeated prompt reports cached tokens, its P2P lookup serves one sim's prefix to
 another, a restarted controller gets every key back by full sync, a worker of another domain is
-refused (and not ready), and SIGTERM deregisters. The sims run 20x faster than the profile's
-hardware (``--sim-speedup 20``) so the test stays short.
+refused (and not ready), and SIGTERM deregisters. A ``kvpool-gateway`` process in front of two
+sims routes on its index replica exactly as in front of real workers. The sims run 20x faster
+than the profile's hardware (``--sim-speedup 20``) so the test stays short.
 """
 
 from __future__ import annotations
@@ -45,14 +46,15 @@ def plain_env() -> dict[str, str]:
 
 def controller(stack: Stack, ports: dict[str, int] | None = None) -> dict[str, Any]:
     """kvpool-controller (full-sync recovery, 4 s heartbeat TTL); the same ports on restart."""
-    ports = ports or {"http": free_port(), "pull": free_port(), "reply": free_port(),
-                      "heartbeat": free_port()}  # fmt: skip
+    roles = ("http", "pull", "reply", "heartbeat", "pub", "snapshot")
+    ports = ports or {role: free_port() for role in roles}
     zmq_ports = {k: ports[k] for k in ("pull", "reply", "heartbeat")}
     argv = [
         str(BIN / "kvpool-controller"), "--host", "127.0.0.1", "--port", str(ports["http"]),
         "--monitor-ports", json.dumps(zmq_ports), "--advertise-host", "127.0.0.1",
         "--fingerprint", FINGERPRINT, "--lmcache-worker-timeout", "4",
-        "--health-check-interval", "1",
+        "--health-check-interval", "1", "--pub-port", str(ports["pub"]),
+        "--snapshot-port", str(ports["snapshot"]), "--chunk-size", "256",
     ]  # fmt: skip
     proc = stack._spawn("controller", argv, {**plain_env(), "PYTHONHASHSEED": "42"})
     url = f"http://127.0.0.1:{ports['http']}"
@@ -250,3 +252,38 @@ def test_a_host_process_serves_several_sim_instances(stack: Stack) -> None:
     host.send_signal(signal.SIGTERM)
     assert host.wait(20) == 0
     wait_for("every hosted instance deregistered", lambda: not workers(ctl))
+
+
+def test_the_gateway_routes_on_sims_as_on_real_workers(stack: Stack) -> None:
+    """The gateway's index replica follows the controller's delta stream of the sims' admits:
+    a prompt one sim computed is routed to that sim (kv-hit, its chunks predicted)."""
+    ctl = controller(stack)
+    urls = {name: sim(stack, name, sim_config(name, ctl)) for name in ("s0", "s1")}
+    ports = ctl["ports"]
+    gateway_yaml = {
+        "model": "kvpool/reference-tiny", "chunkSize": 256, "controllerUrl": ctl["http"],
+        "controllerPubUrl": f"tcp://127.0.0.1:{ports['pub']}",
+        "controllerSnapshotUrl": f"tcp://127.0.0.1:{ports['snapshot']}",
+        "p2pGroups": [{"name": "g", "instances": [{"name": n, "url": u} for n, u in urls.items()]}],
+        "limits": {"healthIntervalSeconds": 0.5}, "tokenizer": "reference",
+    }  # fmt: skip
+    path = stack.tmp / "gateway.yaml"
+    path.write_text(yaml.safe_dump(gateway_yaml))
+    port = free_port()
+    argv = [str(BIN / "kvpool-gateway"), "serve", "--config", str(path), "--host", "127.0.0.1",
+            "--port", str(port)]  # fmt: skip
+    gw = f"http://127.0.0.1:{port}"
+    stack._wait_http(stack._spawn("gateway", argv, {**plain_env(), "PYTHONHASHSEED": "42"}),
+                     f"{gw}/readyz", "gateway")  # fmt: skip
+    wait_for("the replica in sync", lambda: httpx.get(f"{gw}/readyz").json()["status"] == "ready")
+    ids = tokens_of(urls["s1"], prompt_text(30))
+    keys = chunk_hashes(ids, HASHING)
+    complete(urls["s1"], ids)  # s1 computes it, not the gateway's first choice
+    wait_for("s1 indexed", lambda: hits(ctl, keys) == {"s1": 2})
+    time.sleep(0.5)  # the delta reaches the replica
+    r = httpx.post(f"{gw}/v1/completions", json={"prompt": ids, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvpool-instance"] == "s1"
+    assert r.headers["x-kvpool-route-reason"] == "kv-hit"
+    assert r.headers["x-kvpool-predicted-hit-tokens"] == "512"
+    assert cached(r.json()) == 512
