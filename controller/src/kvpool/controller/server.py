@@ -16,7 +16,7 @@ import contextlib
 import logging
 import socket as pysocket
 import time
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -169,27 +169,54 @@ class ControllerServer:
 
     async def _drain_loop(self, role: str, handle: Any) -> None:
         asock = self._sockets[role]
-        ssock = self._shadows[role]
-        batch = self.settings.drain_batch
         budget = self.settings.drain_budget_ms / 1000.0
+        # While a burst of pushes drains, requests waiting on the request sockets are answered
+        # between two push frames: a lookup waits for at most one admit/evict batch, not for
+        # the whole drain budget.
+        urgent = (
+            [(r, self._shadows[r], h) for r, h in self._request_roles() if r in self._shadows]
+            if role == "pull"
+            else []
+        )
         clock = time.perf_counter
         while True:
             await asock.poll()  # default: wait (no timeout) for POLLIN
-            deadline = clock() + budget
-            for _ in range(batch):
-                try:
-                    frames = ssock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    handle(frames)
-                except Exception:
-                    self.service.bad("handler_error", f"handler error on {role}")
-                    logger.exception("handler error on %s socket", role)
-                if clock() > deadline:
-                    break  # let the other sockets (lookups, heartbeats) have their turn
+            self._drain(role, handle, clock() + budget, urgent)
             self.flush()
             await asyncio.sleep(0)
+
+    def _request_roles(self) -> list[tuple[str, Any]]:
+        return [("reply", self._on_request), ("heartbeat", self._on_heartbeat)]
+
+    def _drain(
+        self,
+        role: str,
+        handle: Any,
+        deadline: float,
+        urgent: list[tuple[str, zmq.Socket[bytes], Any]],
+    ) -> None:
+        """Handle up to ``drain_batch`` frames of one socket without blocking, until the deadline;
+        between two frames, answer whatever the ``urgent`` sockets hold."""
+        ssock = self._shadows[role]
+        clock = time.perf_counter
+        for _ in range(self.settings.drain_batch):
+            try:
+                frames = ssock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._handle(role, handle, frames)
+            for other, osock, ohandle in urgent:
+                if cast(int, osock.get(zmq.EVENTS)) & zmq.POLLIN:
+                    self._drain(other, ohandle, float("inf"), [])  # at most drain_batch
+            if clock() > deadline:
+                break  # let the other sockets (lookups, heartbeats) have their turn
+
+    def _handle(self, role: str, handle: Any, frames: list[bytes]) -> None:
+        try:
+            handle(frames)
+        except Exception:
+            self.service.bad("handler_error", f"handler error on {role}")
+            logger.exception("handler error on %s socket", role)
 
     def _on_push(self, frames: list[bytes]) -> None:
         for frame in frames:  # LMCache workers batch several messages in one multipart
