@@ -7,24 +7,46 @@ a worker's keys. LMCache's workers answer a ``FullSyncCommand`` (sent on a heart
 entries for that tier atomically at the end, so a half-finished sync never shows up in lookups
 and stale keys from before it disappear. Incremental events during the sync are dropped (the
 worker is frozen meanwhile, as LMCache's own controller assumes).
+
+The handlers take a :class:`SyncHost` — the few parts of the service they use — so this module
+does not import :mod:`kvpool.controller.service` (which dispatches to it): no import circle.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
-from kvpool.controller.registry import SyncState
+from kvpool.controller.metrics import Metrics
+from kvpool.controller.registry import Registry, SyncState, WorkerRecord
+from kvpool.controller.settings import ControllerSettings
 from kvpool.protocol import lmcache_wire as p
 from kvpool.protocol.deltas import DeltaOp
-
-if TYPE_CHECKING:
-    from kvpool.controller.service import ControllerService
+from kvpool.protocol.index import ChunkIndex
 
 logger = logging.getLogger(__name__)
 
 
-def sync_start(svc: ControllerService, msg: p.FullSyncStartMsg) -> p.FullSyncStartRetMsg:
+class SyncHost(Protocol):
+    """What a full sync needs from the controller service."""
+
+    settings: ControllerSettings
+    index: ChunkIndex
+    registry: Registry
+    metrics: Metrics
+    clock: Callable[[], float]
+
+    def bad(self, kind: str, detail: str) -> None: ...
+
+    def worker_for_event(self, instance_id: str, worker_id: int) -> WorkerRecord | None: ...
+
+    def emit(
+        self, op: DeltaOp, instance_id: str, worker_id: int, location: str, keys: list[int]
+    ) -> None: ...
+
+
+def sync_start(svc: SyncHost, msg: p.FullSyncStartMsg) -> p.FullSyncStartRetMsg:
     record = svc.registry.get(msg.instance_id, msg.worker_id)
     if record is None:
         return p.FullSyncStartRetMsg(msg.sync_id, False, "worker not registered")
@@ -45,7 +67,7 @@ def sync_start(svc: ControllerService, msg: p.FullSyncStartMsg) -> p.FullSyncSta
     return p.FullSyncStartRetMsg(msg.sync_id, True)
 
 
-def sync_batch(svc: ControllerService, msg: p.FullSyncBatchMsg) -> None:
+def sync_batch(svc: SyncHost, msg: p.FullSyncBatchMsg) -> None:
     record = svc.worker_for_event(msg.instance_id, msg.worker_id)
     if record is None:
         return
@@ -53,7 +75,7 @@ def sync_batch(svc: ControllerService, msg: p.FullSyncBatchMsg) -> None:
         svc.bad("sync_batch", f"batch {msg.batch_id} of unknown sync {msg.sync_id}")
 
 
-def sync_end(svc: ControllerService, msg: p.FullSyncEndMsg) -> None:
+def sync_end(svc: SyncHost, msg: p.FullSyncEndMsg) -> None:
     record = svc.worker_for_event(msg.instance_id, msg.worker_id)
     if record is None:
         return
@@ -84,7 +106,7 @@ def sync_end(svc: ControllerService, msg: p.FullSyncEndMsg) -> None:
     )
 
 
-def sync_status(svc: ControllerService, msg: p.FullSyncStatusMsg) -> p.FullSyncStatusRetMsg:
+def sync_status(svc: SyncHost, msg: p.FullSyncStatusMsg) -> p.FullSyncStatusRetMsg:
     record = svc.registry.get(msg.instance_id, msg.worker_id)
     sync = record.sync if record is not None else None
     ours = sync is not None and sync.sync_id == msg.sync_id
