@@ -5,6 +5,12 @@ instance's tier, pin tokens, compress, move KV between instances, health) and th
 the workers' reply sockets. They answer with LMCache's reply structs, or an ``ErrorMsg`` that
 names the worker and the failure — never an ``assert`` (LMCache's executor asserts that every
 TP rank reports the same count; here a disagreement is an error message).
+
+Every operation is one row of :data:`OPERATIONS`: the message it answers, the coroutine that
+answers it, and its HTTP face (LMCache's path, request body, how the body becomes the message
+and how the reply becomes the JSON answer). The ZMQ dispatch (:func:`handle_orchestration`) and
+the HTTP routes (:mod:`kvpool.controller.routes_lmcache`) both read that table, so an operation
+is declared once.
 """
 
 from __future__ import annotations
@@ -12,14 +18,72 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel
 
 from kvpool.controller.control import ControlError
 from kvpool.controller.service import ControllerService
 from kvpool.protocol import lmcache_wire as p
 
 logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- LMCache's HTTP request bodies
+
+
+class QueryInstRequest(BaseModel):
+    event_id: str = ""
+    ip: str
+
+
+class LookupRequest(BaseModel):
+    tokens: list[int]
+
+
+class ClearRequest(BaseModel):
+    instance_id: str
+    location: str
+
+
+class PinRequest(BaseModel):
+    instance_id: str
+    location: str
+    tokens: list[int]
+
+
+class CompressRequest(BaseModel):
+    instance_id: str
+    method: str
+    location: str
+    tokens: list[int] | None = []
+
+
+class MoveRequest(BaseModel):
+    old_position: tuple[str, str]
+    new_position: tuple[str, str]
+    tokens: list[int] | None = []
+    should_copy: bool | None = False
+
+
+class HealthRequest(BaseModel):
+    instance_id: str
+
+
+class CheckFinishRequest(BaseModel):
+    event_id: str
+
+
+class QueryWorkerInfoRequest(BaseModel):
+    instance_id: str
+    worker_ids: list[int] | None = None
+
+
+# ---------------------------------------------------------------- how each operation runs
+
+Run = Callable[[ControllerService, Any], Awaitable[Any]]
 
 
 def _agree(results: list[Any], what: str, instance_id: str) -> int:
@@ -44,75 +108,31 @@ async def _fan_out(
     return await svc.control.fan_out(instance_id, svc.registry.worker_ids(instance_id), make)
 
 
-async def handle_orchestration(svc: ControllerService, msg: Any) -> Any:
-    """Answer one orchestration message; failures become ``ErrorMsg`` with a clear text."""
-    svc.metrics.messages[type(msg).__name__] += 1
-    try:
-        reply = await _dispatch(svc, msg)
-    except ControlError as exc:
-        logger.warning("%s failed: %s", type(msg).__name__, exc)
-        event_id = getattr(msg, "event_id", None)
-        if event_id:
-            svc.record_event(event_id, "failed")
-        return p.ErrorMsg(str(exc))
-    event_id = getattr(msg, "event_id", None)
-    if event_id and not isinstance(msg, p.CheckFinishMsg):
-        svc.record_event(event_id, "finished")
-    return reply
+def _fan_out_op(
+    what: str, make: Callable[[Any, int], Any], reply: Callable[[str, int], Any]
+) -> Run:
+    """An operation sent to every TP rank of ``msg.instance_id``; the ranks must agree."""
+
+    async def run(svc: ControllerService, msg: Any) -> Any:
+        results = await _fan_out(svc, msg.instance_id, lambda w: make(msg, w))
+        return reply(msg.event_id, _agree(results, what, msg.instance_id))
+
+    return run
 
 
-async def _dispatch(svc: ControllerService, msg: Any) -> Any:
-    match msg:
-        case p.LookupMsg():
-            if svc.settings.tokens_lookup_error is not None:
-                return p.ErrorMsg(svc.settings.tokens_lookup_error)
-            return p.LookupRetMsg(msg.event_id, svc.lookup_tokens(msg.tokens))
-        case p.QueryInstMsg():
-            return p.QueryInstRetMsg(msg.event_id, svc.registry.instance_by_ip(msg.ip))
-        case p.QueryWorkerInfoMsg():
-            return p.QueryWorkerInfoRetMsg(
-                msg.event_id, svc.query_worker_info(msg.instance_id, msg.worker_ids)
-            )
-        case p.CheckFinishMsg():
-            return p.CheckFinishRetMsg(svc.event_status(msg.event_id))
-        case p.ClearMsg():
-            results = await _fan_out(
-                svc,
-                msg.instance_id,
-                lambda w: p.ClearWorkerMsg(f"Worker{w}{msg.event_id}", msg.location),
-            )
-            return p.ClearRetMsg(msg.event_id, _agree(results, "clear", msg.instance_id))
-        case p.PinMsg():
-            results = await _fan_out(
-                svc,
-                msg.instance_id,
-                lambda w: p.PinWorkerMsg(f"Worker{w}{msg.event_id}", msg.location, msg.tokens),
-            )
-            return p.PinRetMsg(msg.event_id, _agree(results, "pin", msg.instance_id))
-        case p.CompressMsg():
-            results = await _fan_out(
-                svc,
-                msg.instance_id,
-                lambda w: p.CompressWorkerMsg(
-                    f"CompressWorker{w}{uuid.uuid4()}", msg.method, msg.location, msg.tokens
-                ),
-            )
-            return p.CompressRetMsg(msg.event_id, _agree(results, "compress", msg.instance_id))
-        case p.DecompressMsg():
-            results = await _fan_out(
-                svc,
-                msg.instance_id,
-                lambda w: p.DecompressWorkerMsg(
-                    f"DecompressWorker{w}{uuid.uuid4()}", msg.method, msg.location, msg.tokens
-                ),
-            )
-            return p.DecompressRetMsg(msg.event_id, _agree(results, "decompress", msg.instance_id))
-        case p.MoveMsg():
-            return await _move(svc, msg)
-        case p.HealthMsg():
-            return await _health(svc, msg)
-        case _:
-            raise ControlError(f"{type(msg).__name__} is not an orchestration request")
+def _local(answer: Callable[[ControllerService, Any], Any]) -> Run:
+    """An operation the controller answers from its own state."""
+
+    async def run(svc: ControllerService, msg: Any) -> Any:
+        return answer(svc, msg)
+
+    return run
+
+
+def _lookup(svc: ControllerService, msg: p.LookupMsg) -> Any:
+    if svc.settings.tokens_lookup_error is not None:
+        return p.ErrorMsg(svc.settings.tokens_lookup_error)
+    return p.LookupRetMsg(msg.event_id, svc.lookup_tokens(msg.tokens))
 
 
 async def _move(svc: ControllerService, msg: p.MoveMsg) -> p.MoveRetMsg:
@@ -172,3 +192,169 @@ async def _health(svc: ControllerService, msg: p.HealthMsg) -> p.HealthRetMsg:
     # All TP ranks at once: one hung rank costs the control timeout once, not once per rank.
     results = await asyncio.gather(*(one(w) for w in worker_ids))
     return p.HealthRetMsg(msg.event_id, dict(zip(worker_ids, results, strict=True)))
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + str(uuid.uuid4())
+
+
+def _tokens_done(r: Any) -> dict[str, Any]:
+    return {"event_id": r.event_id, "num_tokens": r.num_tokens}
+
+
+def _worker_infos(r: p.QueryWorkerInfoRetMsg) -> dict[str, Any]:
+    infos = [{f: getattr(w, f) for f in w.__struct_fields__} for w in r.worker_infos]
+    return {"event_id": r.event_id, "worker_infos": infos}
+
+
+# ---------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One orchestration request, end to end: ``msg`` is answered by ``run``; over HTTP,
+    ``POST path`` with a ``body`` becomes ``build(body)``, and a ``reply`` struct becomes
+    ``answer(reply)``; ``tokens`` operations are refused while the domain cannot hash tokens."""
+
+    msg: type
+    run: Run
+    path: str
+    body: type[BaseModel]
+    build: Callable[[Any], Any]
+    reply: type
+    answer: Callable[[Any], dict[str, Any]]
+    tokens: bool = False
+
+
+def _codec_operation(name: str, msg: type, worker_msg: type, reply: type) -> Operation:
+    """``/compress`` and ``/decompress``: the same shape, LMCache's class names differ."""
+    title = name.capitalize()
+    return Operation(
+        msg,
+        _fan_out_op(
+            name,
+            lambda m, w: worker_msg(
+                f"{title}Worker{w}{uuid.uuid4()}", m.method, m.location, m.tokens
+            ),
+            reply,
+        ),
+        f"/{name}",
+        CompressRequest,
+        lambda b: msg(_new_id(title), b.instance_id, b.method, b.location, b.tokens),
+        reply,
+        _tokens_done,
+    )
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation(
+        p.QueryInstMsg,
+        _local(lambda svc, m: p.QueryInstRetMsg(m.event_id, svc.registry.instance_by_ip(m.ip))),
+        "/query_instance",
+        QueryInstRequest,
+        lambda b: p.QueryInstMsg(_new_id("QueryInst"), b.ip),
+        p.QueryInstRetMsg,
+        lambda r: {"event_id": r.event_id, "res": r.instance_id},
+    ),
+    Operation(
+        p.LookupMsg,
+        _local(_lookup),
+        "/lookup",
+        LookupRequest,
+        lambda b: p.LookupMsg(_new_id("Lookup"), b.tokens),
+        p.LookupRetMsg,
+        lambda r: {"event_id": r.event_id, "layout_info": r.layout_info},
+        tokens=True,
+    ),
+    Operation(
+        p.ClearMsg,
+        _fan_out_op(
+            "clear",
+            lambda m, w: p.ClearWorkerMsg(f"Worker{w}{m.event_id}", m.location),
+            p.ClearRetMsg,
+        ),
+        "/clear",
+        ClearRequest,
+        lambda b: p.ClearMsg(_new_id("Clear"), b.instance_id, b.location),
+        p.ClearRetMsg,
+        _tokens_done,
+    ),
+    Operation(
+        p.PinMsg,
+        _fan_out_op(
+            "pin",
+            lambda m, w: p.PinWorkerMsg(f"Worker{w}{m.event_id}", m.location, m.tokens),
+            p.PinRetMsg,
+        ),
+        "/pin",
+        PinRequest,
+        lambda b: p.PinMsg(_new_id("Pin"), b.instance_id, b.location, b.tokens),
+        p.PinRetMsg,
+        _tokens_done,
+    ),
+    _codec_operation("compress", p.CompressMsg, p.CompressWorkerMsg, p.CompressRetMsg),
+    _codec_operation("decompress", p.DecompressMsg, p.DecompressWorkerMsg, p.DecompressRetMsg),
+    Operation(
+        p.MoveMsg,
+        _move,
+        "/move",
+        MoveRequest,
+        lambda b: p.MoveMsg(
+            _new_id("Move"), b.old_position, b.new_position, b.tokens, b.should_copy
+        ),
+        p.MoveRetMsg,
+        _tokens_done,
+    ),
+    Operation(
+        p.HealthMsg,
+        _health,
+        "/health",
+        HealthRequest,
+        lambda b: p.HealthMsg(_new_id("health"), b.instance_id),
+        p.HealthRetMsg,
+        lambda r: {"event_id": r.event_id, "error_codes": r.error_codes},
+    ),
+    Operation(
+        p.CheckFinishMsg,
+        _local(lambda svc, m: p.CheckFinishRetMsg(svc.event_status(m.event_id))),
+        "/check_finish",
+        CheckFinishRequest,
+        lambda b: p.CheckFinishMsg(b.event_id),
+        p.CheckFinishRetMsg,
+        lambda r: {"status": r.status},
+    ),
+    Operation(
+        p.QueryWorkerInfoMsg,
+        _local(
+            lambda svc, m: p.QueryWorkerInfoRetMsg(
+                m.event_id, svc.query_worker_info(m.instance_id, m.worker_ids)
+            )
+        ),
+        "/query_worker_info",
+        QueryWorkerInfoRequest,
+        lambda b: p.QueryWorkerInfoMsg(_new_id("QueryWorkerInfo"), b.instance_id, b.worker_ids),
+        p.QueryWorkerInfoRetMsg,
+        _worker_infos,
+    ),
+)
+
+_BY_MSG: dict[type, Operation] = {op.msg: op for op in OPERATIONS}
+
+
+async def handle_orchestration(svc: ControllerService, msg: Any) -> Any:
+    """Answer one orchestration message; failures become ``ErrorMsg`` with a clear text."""
+    svc.metrics.messages[type(msg).__name__] += 1
+    event_id = getattr(msg, "event_id", None)
+    try:
+        op = _BY_MSG.get(type(msg))
+        if op is None:
+            raise ControlError(f"{type(msg).__name__} is not an orchestration request")
+        reply = await op.run(svc, msg)
+    except ControlError as exc:
+        logger.warning("%s failed: %s", type(msg).__name__, exc)
+        if event_id:
+            svc.record_event(event_id, "failed")
+        return p.ErrorMsg(str(exc))
+    if event_id and not isinstance(msg, p.CheckFinishMsg):
+        svc.record_event(event_id, "finished")
+    return reply

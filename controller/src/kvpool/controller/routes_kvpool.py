@@ -1,0 +1,57 @@
+"""kvpool's own HTTP routes: the gateway's prefix lookup and the operator's deregistration.
+
+Why a router of its own: these are kvpool's API (LMCache has no such endpoints), used by the
+gateway on routing and by the operator's finalizer; mounted alone on a bare app they are tested
+without the rest of the API.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from pydantic import BaseModel, Field, model_validator
+
+from kvpool.controller.routes_lmcache import server_of
+
+
+class DeregisterRequest(BaseModel):
+    instance_id: str = Field(min_length=1, description="lmcache_instance_id (<instance>~<fp>)")
+
+
+class PrefixLookupRequest(BaseModel):
+    hashes: list[int] | None = Field(None, description="Chained LMCache chunk hashes, in order")
+    tokens: list[int] | None = Field(None, description="Token ids, hashed like LMCache's /lookup")
+    chunk_size: int | None = Field(None, gt=0, description="Tokens per chunk (default: server's)")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> PrefixLookupRequest:
+        if (self.hashes is None) == (self.tokens is None):
+            raise ValueError("give exactly one of 'hashes' (chunk hashes) or 'tokens' (token ids)")
+        return self
+
+
+router = APIRouter()
+
+
+@router.post("/v1/prefix_lookup")
+async def prefix_lookup(request: Request, req: PrefixLookupRequest) -> dict[str, Any]:
+    svc = server_of(request).service
+    if req.hashes is not None:
+        hashes = req.hashes
+    else:
+        error = svc.settings.tokens_lookup_error
+        if error is not None:
+            raise HTTPException(status_code=400, detail=error)
+        hashes = svc.token_hashes(req.tokens or [], req.chunk_size)
+    return {"chunks": len(hashes), "instances": svc.prefix_lookup(hashes)}
+
+
+@router.post("/v1/deregister")
+async def deregister(request: Request, req: DeregisterRequest) -> dict[str, Any]:
+    """The operator's finalizer of a deleted P2PGroup/PDPair: forget every worker of the
+    instance now, instead of serving its keys until the heartbeat TTL purges it."""
+    svc = server_of(request).service
+    workers = svc.registry.worker_ids(req.instance_id)
+    done = [w for w in workers if svc.deregister(req.instance_id, w, "deleted (operator)")]
+    return {"instance_id": req.instance_id, "deregistered": len(done)}
