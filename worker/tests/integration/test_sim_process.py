@@ -23,10 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 from transfer_stack import BIN, FINGERPRINT, Stack, cached, fingerprint, free_port, worker_env
 
 from kvpool.protocol.hashing import HashConfig, chunk_hashes
+
+pytestmark = pytest.mark.timeout(300)  # each test; a loaded 2-core box needs about a minute
 
 HASHING = HashConfig(chunk_size=256)  # the reference engine's regime: LMCache without vLLM
 # The pool's model (1 KiB of KV per token: a chunk is 256 KiB), timed by the H100 profile.
