@@ -29,8 +29,9 @@ from numba.extending import intrinsic
 
 I64 = npt.NDArray[np.int64]
 
-# Below this many bytes per thread a second thread costs more than it saves.
-MIN_BYTES_PER_THREAD = 2 * 2**20
+# Below this many bytes per thread a second thread costs more than it saves: handing work to
+# a helper thread costs a wake-up, and on a busy box a time slice (milliseconds).
+MIN_BYTES_PER_THREAD = 8 * 2**20
 MAX_THREADS = max(1, min(os.cpu_count() or 1, 8))
 
 _pool: ThreadPoolExecutor | None = None

@@ -222,6 +222,11 @@ class PagedModel:
         self.rotary: nn.Module = body.rotary_emb
         self.lm_head: nn.Module = hf_model.lm_head
         self.shape = shape_of(config, next(hf_model.parameters()).dtype)
+        # cos/sin of every position computed so far (the rotary module's own values: each is
+        # one elementwise product, so a table lookup gives the same bits); None when the
+        # rotary depends on the sequence length (dynamic scaling) and must run per call.
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_static = getattr(self.rotary, "rope_type", "default") in _STATIC_ROPE
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One zeroed NHD cache per layer: [2, num_blocks, block_size, kv_heads, head_dim]."""
@@ -236,7 +241,12 @@ class PagedModel:
         self, chunks: Sequence[SeqChunk], kv_caches: Sequence[torch.Tensor]
     ) -> torch.Tensor:
         """Compute ``chunks`` (concatenated, varlen) and return float32 logits of the last
-        token of every chunk with ``want_logits``, in order: [num_wanted, vocab]."""
+        token of every chunk with ``want_logits``, in order: [num_wanted, vocab].
+
+        Written for few ops per layer (a hit computes one token, so per-op overhead is most
+        of its time): weights are applied with ``F.linear``, RMSNorm is one fused op in
+        fp32, cos/sin come from a table, GQA heads are shared inside the attention kernel.
+        """
         s = self.shape
         block_size = kv_caches[0].shape[2]
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
@@ -246,26 +256,35 @@ class PagedModel:
         slots = torch.cat(
             [slot_mapping(c.block_table, block_size, c.start_pos, len(c.token_ids)) for c in chunks]
         )
+        blocks = [
+            torch.tensor(
+                list(c.block_table[: math.ceil((c.start_pos + len(c.token_ids)) / block_size)]),
+                dtype=torch.long,
+            )
+            for c in chunks
+        ]
         hidden = self.embed(ids)  # [T, H]
-        cos, sin = self.rotary(hidden, positions.unsqueeze(0))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]
+        cos, sin = self._cos_sin(hidden, positions)  # [T, 1, D]
         total = ids.shape[0]
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(total, s.num_heads, s.head_dim)
-            k = attn.k_proj(x).view(total, s.num_kv_heads, s.head_dim)
-            v = attn.v_proj(x).view(total, s.num_kv_heads, s.head_dim)
+            x = _rms_norm(layer.input_layernorm, hidden)
+            q = _linear(attn.q_proj, x).view(total, s.num_heads, s.head_dim)
+            k = _linear(attn.k_proj, x).view(total, s.num_kv_heads, s.head_dim)
+            v = _linear(attn.v_proj, x).view(total, s.num_kv_heads, s.head_dim)
             if hasattr(attn, "q_norm"):
-                q = attn.q_norm(q)
-                k = attn.k_norm(k)
+                q = _rms_norm(attn.q_norm, q)
+                k = _rms_norm(attn.k_norm, k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             kv[0].view(-1, s.num_kv_heads, s.head_dim)[slots] = k
             kv[1].view(-1, s.num_kv_heads, s.head_dim)[slots] = v
-            out = self._attention(q, chunks, kv, block_size)
-            hidden = hidden + attn.o_proj(out)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            out = self._attention(q, chunks, blocks, kv)
+            hidden = hidden + _linear(attn.o_proj, out)
+            mlp = layer.mlp
+            x = _rms_norm(layer.post_attention_layernorm, hidden)
+            gated = mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x)
+            hidden = hidden + _linear(mlp.down_proj, gated)
         ends = []
         offset = 0
         for c in chunks:
@@ -274,45 +293,74 @@ class PagedModel:
                 ends.append(offset - 1)
         if not ends:
             return torch.empty(0, s.vocab_size, dtype=torch.float32)
-        last = self.norm(hidden[torch.tensor(ends, dtype=torch.long)])
+        last = _rms_norm(self.norm, hidden[torch.tensor(ends, dtype=torch.long)])
         logits: torch.Tensor = self.lm_head(last)
         return logits.float()
+
+    def _cos_sin(
+        self, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, D]`` of ``positions``."""
+        if not self._rope_static:
+            cos, sin = self.rotary(hidden, positions.unsqueeze(0))
+            return cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        table = self._rope_table
+        if table is None or table[0].size(0) < need:
+            size = max(need, 2 * table[0].size(0) if table is not None else 1024)
+            cos, sin = self.rotary(hidden, torch.arange(size).unsqueeze(0))
+            table = self._rope_table = (cos[0].unsqueeze(1), sin[0].unsqueeze(1))
+        return table[0][positions], table[1][positions]
 
     def _attention(
         self,
         q: torch.Tensor,
         chunks: Sequence[SeqChunk],
+        blocks: Sequence[torch.Tensor],
         kv: torch.Tensor,
-        block_size: int,
     ) -> torch.Tensor:
         """Causal attention of each chunk's queries over its sequence's paged K/V."""
         s = self.shape
-        group = s.num_heads // s.num_kv_heads
+        gqa = s.num_heads != s.num_kv_heads
         outs = []
         offset = 0
-        for c in chunks:
+        for c, table in zip(chunks, blocks, strict=True):
             n = len(c.token_ids)
             ctx = c.start_pos + n
-            blocks = torch.tensor(c.block_table[: math.ceil(ctx / block_size)], dtype=torch.long)
-            keys = kv[0][blocks].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
-            values = kv[1][blocks].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
-            if group > 1:
-                keys = keys.repeat_interleave(group, dim=1)
-                values = values.repeat_interleave(group, dim=1)
+            keys = kv[0][table].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
+            values = kv[1][table].reshape(-1, s.num_kv_heads, s.head_dim)[:ctx]
             qi = q[offset : offset + n].transpose(0, 1).unsqueeze(0)  # [1, h, n, D]
-            ki = keys.transpose(0, 1).unsqueeze(0)
+            ki = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_h, ctx, D]
             vi = values.transpose(0, 1).unsqueeze(0)
             if c.start_pos == 0:
-                o = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=True)
+                o = _sdpa(qi, ki, vi, is_causal=True, enable_gqa=gqa)
             elif n == 1:
-                o = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi)
+                o = _sdpa(qi, ki, vi, enable_gqa=gqa)
             else:
                 qpos = torch.arange(c.start_pos, ctx).unsqueeze(1)
                 mask = torch.arange(ctx).unsqueeze(0) <= qpos  # [n, ctx], bottom-right causal
-                o = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask)
+                o = _sdpa(qi, ki, vi, attn_mask=mask, enable_gqa=gqa)
             outs.append(o[0].transpose(0, 1).reshape(n, s.num_heads * s.head_dim))
             offset += n
-        return torch.cat(outs)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+# Rotary types whose frequencies do not depend on the sequence length.
+_STATIC_ROPE = frozenset({"default", "linear", "llama3"})
+_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+
+def _linear(proj: Any, x: torch.Tensor) -> torch.Tensor:
+    """``proj(x)`` for an ``nn.Linear`` without the module call's hooks machinery."""
+    return torch.nn.functional.linear(x, proj.weight, proj.bias)
+
+
+def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm: one fused op in fp32 (equal to HF's to rounding), the module
+    itself for other dtypes (HF normalises in fp32 and scales in the model's dtype)."""
+    if x.dtype != torch.float32:
+        return norm(x)  # type: ignore[no-any-return]
+    return torch.nn.functional.rms_norm(x, (x.size(-1),), norm.weight, norm.variance_epsilon)
 
 
 def slot_mapping(
