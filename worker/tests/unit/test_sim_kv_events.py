@@ -143,3 +143,51 @@ def test_render_server_info_and_event_sources_over_http(make_sim_engine: Make) -
         sources = client.get("/kv_event_sources").json()
         assert sources["0"]["endpoint"] == cfg.endpoint
         assert (sources["0"]["encoding"], sources["0"]["schema_version"]) == ("msgpack", 1)
+
+
+@pytest.mark.parametrize(
+    ("host", "env", "reached"),
+    [
+        ("127.0.0.1", {}, "127.0.0.1"),  # kvpool-operator up: the bind address
+        ("0.0.0.0", {"POD_IP": "10.0.0.7"}, "10.0.0.7"),  # a pod: its IP (downward API)
+        ("0.0.0.0", {"POD_IP": "fd00::7"}, "[fd00::7]"),
+    ],
+)
+def test_event_sources_name_an_address_a_router_can_connect_to(
+    host: str, env: dict[str, str], reached: str
+) -> None:
+    """vllm-router refuses ``*`` and ``0.0.0.0`` in a static source: the sim reports where it
+    is reached (what ``--kv-events-config`` binds stays vLLM's wildcard)."""
+    from kvpool.protocol.simcore.profile import bundled_profiles
+    from kvpool.worker.settings import WorkerSettings
+    from kvpool.worker.sim.build import build_sim_engine
+
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",
+        "replay_endpoint": "tcp://*:5558",
+    }
+    settings = WorkerSettings.from_env(
+        {}, engine="sim", host=host, model="m", sim_profile=next(iter(bundled_profiles())),
+        num_layers=2, num_kv_heads=2, head_dim=8, kv_dtype="bfloat16", block_size=16,
+        max_model_len=1024, kv_events_config=json.dumps(events),
+    )  # fmt: skip
+    tok = load_tokenizer(REFERENCE_TOKENIZER_DIR)
+    eng = build_sim_engine(settings, env, tok, None)
+    assert eng.kv_events is not None and eng.kv_events.config.endpoint == "tcp://*:5557"
+    source = eng.kv_event_sources()["0"]
+    assert source["endpoint"] == f"tcp://{reached}:5557"
+    assert source["replay_endpoint"] == f"tcp://{reached}:5558"
+    named = KvEventsConfig(True, "zmq", "tcp://10.1.1.1:5557")
+    assert named.sources("127.0.0.1")["0"]["endpoint"] == "tcp://10.1.1.1:5557"  # not a wildcard
+
+
+def test_the_reference_engine_refuses_the_flag_it_cannot_honour() -> None:
+    from kvpool.worker import cli
+
+    args = cli._parser().parse_args(
+        ["serve", "--engine", "reference", "--kv-events-config", '{"enable_kv_cache_events":true}']
+    )
+    with pytest.raises(cli.StartRefusedError, match="reference engine publishes no KV events"):
+        cli.build_runtime(cli.settings_from(args, {}), {})

@@ -144,7 +144,9 @@ def test_tp_port_name_and_extras_are_passed() -> None:
     assert argv[-2:] == ["--enforce-eager", "--gpu-memory-utilization=0.9"]
 
 
-@pytest.mark.parametrize("extra", ["--block-size", "--kv-transfer-config={}", "--model"])
+@pytest.mark.parametrize(
+    "extra", ["--block-size", "--kv-transfer-config={}", "--model", "--kv-events-config={}"]
+)
 def test_domain_flags_cannot_be_overridden_by_extras(extra: str) -> None:
     launch = VllmLaunch(
         model="m", platform="cuda", block_size=16, kv_dtype="float16", extra_args=(extra, "x")
@@ -158,4 +160,29 @@ def test_bad_tp_size() -> None:
         model="m", platform="cuda", block_size=16, kv_dtype="float16", tensor_parallel_size=0
     )
     with pytest.raises(VllmCommandError, match="tensor parallel"):
+        vllm_command({}, launch)
+
+
+EVENTS = (
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:20004", '
+    '"replay_endpoint": "tcp://*:20005"}'
+)
+
+
+def test_kv_events_config_reaches_vllm_from_the_worker_flag() -> None:
+    launch = VllmLaunch(
+        model="m", platform="cuda", block_size=16, kv_dtype="float16", kv_events_config=EVENTS
+    )
+    argv = vllm_command({}, launch)
+    assert json.loads(_flag(argv, "--kv-events-config")) == json.loads(EVENTS)
+    assert argv.count("--kv-events-config") == 1
+    assert "--kv-events-config" not in vllm_command({}, CUDA)
+
+
+@pytest.mark.parametrize("bad", ["{not json", "[1, 2]"])
+def test_kv_events_config_must_be_a_json_object(bad: str) -> None:
+    launch = VllmLaunch(
+        model="m", platform="cuda", block_size=16, kv_dtype="float16", kv_events_config=bad
+    )
+    with pytest.raises(VllmCommandError, match="--kv-events-config"):
         vllm_command({}, launch)

@@ -36,12 +36,14 @@ REQUIRED_WORKER_ENV: Final = MappingProxyType(
     }
 )
 
-#: vLLM flags ``kvpool-worker`` derives from the cache domain and the rendered config: passing
-#: one again in an engine's extra args would fork the domain's facts, so the worker refuses them
-#: at start and the operator refuses them in ``engine.args`` at admission.
+#: vLLM flags ``kvpool-worker`` derives from the cache domain and the rendered config (and
+#: ``--kv-events-config``, whose ports the operator allocates per instance): passing one again in
+#: an engine's extra args would fork the domain's facts, so the worker refuses them at start and
+#: the operator refuses them in ``engine.args`` at admission.
 WORKER_VLLM_FLAGS: Final = (
     "--model",
     "--kv-transfer-config",
+    "--kv-events-config",
     "--block-size",
     "--dtype",
     "--kv-cache-dtype",

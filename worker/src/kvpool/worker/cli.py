@@ -79,7 +79,7 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--num-layers", "num_layers", int, "sim: layers of the pool's model (KV bytes per token)"),
     ("--num-kv-heads", "num_kv_heads", int, "sim: KV heads of the pool's model"),
     ("--head-dim", "head_dim", int, "sim: head dimension of the pool's model"),
-    ("--kv-events-config", "kv_events_config", str, "sim: vLLM's KV-event publisher (JSON)"),
+    ("--kv-events-config", "kv_events_config", str, "sim, vllm: vLLM's KV-event config (JSON)"),
     ("--platform", "platform", str, "vllm: ascend or cuda"),
     ("--ascend-connector", "ascend_connector", str, "vllm on ascend: dynamic or builtin"),
     ("--tensor-parallel-size", "tensor_parallel_size", int, "vllm: TP size"),
@@ -194,6 +194,7 @@ def run_vllm(args: argparse.Namespace, settings: WorkerSettings, env: Mapping[st
         tensor_parallel_size=settings.tensor_parallel_size,
         max_model_len=settings.max_model_len,
         lmcache_rpc_port=settings.lmcache_rpc_port,
+        kv_events_config=settings.kv_events_config,
         extra_args=tuple(args.vllm_args),
     )
     try:
@@ -389,6 +390,11 @@ def build_runtime(
 ) -> WorkerRuntime:
     """One instance's engine and HTTP runtime (``--engine reference`` or ``sim``), built from
     its settings and environment alone; StartRefusedError says what to fix."""
+    if settings.engine != "sim" and settings.kv_events_config:
+        raise StartRefusedError(
+            "--kv-events-config: the reference engine publishes no KV events; run --engine sim "
+            "or --engine vllm (the operator's engine.sim or platform ascend/cuda), or drop it"
+        )
     tok = tokenizer if tokenizer is not None else tokenizer_for(settings)
     if settings.engine == "sim":
         engine = build_sim(settings, env, tok)

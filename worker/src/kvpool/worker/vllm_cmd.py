@@ -6,7 +6,9 @@ whose connector name depends on the platform (LMCache-Ascend's dynamic connector
 the operator rendered into the LMCache config. Hand-written, these are exactly the mistakes
 the seed manual lists (a decoder without ``skip_last_n_tokens``, a sender that discards its
 partial chunk). Built here from the rendered config, they are consistent by construction; the
-function is unit-tested because vLLM cannot run on this machine.
+function is unit-tested because vLLM cannot run on this machine. vLLM's KV-event publisher
+(``--kv-events-config``, its ports allocated per instance by the operator) reaches vLLM from the
+worker's own flag, for the same reason: one place sets it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class VllmLaunch:
     max_model_len: int | None = None
     ascend_connector: AscendConnector = "dynamic"
     lmcache_rpc_port: str | None = None
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON, passed through
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
 
@@ -108,6 +111,22 @@ def _check_extra_args(extra: Sequence[str]) -> None:
             )
 
 
+def kv_events_flags(text: str | None) -> list[str]:
+    """``--kv-events-config`` for vLLM: the worker's own flag value, a JSON object (vLLM's
+    ``KVEventsConfig``; vLLM checks its fields), compacted."""
+    if not text:
+        return []
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise VllmCommandError(f"--kv-events-config is not JSON ({exc}): {text!r}") from exc
+    if not isinstance(value, dict):
+        raise VllmCommandError(
+            f"--kv-events-config must be a JSON object (vLLM's KVEventsConfig), got {text!r}"
+        )
+    return ["--kv-events-config", json.dumps(value, separators=(",", ":"))]
+
+
 def vllm_command(config: Mapping[str, Any], launch: VllmLaunch) -> list[str]:
     """argv for ``os.execvpe``: vLLM's OpenAI server with the LMCache connector."""
     if launch.tensor_parallel_size < 1:
@@ -137,6 +156,7 @@ def vllm_command(config: Mapping[str, Any], launch: VllmLaunch) -> list[str]:
         argv += ["--max-model-len", str(launch.max_model_len)]
     transfer = kv_transfer_config(config, launch)
     argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    argv += kv_events_flags(launch.kv_events_config)
     argv += list(launch.extra_args)
     return argv
 

@@ -54,8 +54,8 @@ def _default_route_ip() -> str:
 
 
 def worker_ip(bind_host: str, env: Mapping[str, str]) -> str:
-    """The address the controller dials for commands: the bind address when it is one, else
-    the pod's (``POD_IP``), else LMCache's default-route address."""
+    """The address others dial (the controller for commands, a router for KV events): the bind
+    address when it is one, else the pod's (``POD_IP``), else LMCache's default-route address."""
     try:
         if not ipaddress.ip_address(bind_host).is_unspecified:
             return bind_host
@@ -114,7 +114,11 @@ def build_sim_engine(
     )
     if events is not None and events.enabled:
         engine.kv_events = DeviceEventPublisher(
-            events, block_size=inst.block_size, chunk_size=inst.chunk_size, bind_host=settings.host
+            events,
+            block_size=inst.block_size,
+            chunk_size=inst.chunk_size,
+            bind_host=settings.host,
+            advertise_host=worker_ip(settings.host, env),
         )
     if lmc is not None and lmc.controller is not None:
         engine.client = ControllerClient(

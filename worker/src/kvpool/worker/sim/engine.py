@@ -131,7 +131,7 @@ class SimEngine:
 
     def kv_event_sources(self) -> dict[str, dict[str, object]]:
         """``GET /kv_event_sources``: where vLLM's KV events of this engine are published."""
-        return self.kv_events.config.sources() if self.kv_events is not None else {}
+        return self.kv_events.sources() if self.kv_events is not None else {}
 
     @property
     def controller_refusal(self) -> str | None:

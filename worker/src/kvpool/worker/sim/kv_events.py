@@ -10,7 +10,9 @@ format (/work/notes/vllm-kv-events.md has the sources and the vllm-router probe)
   ``endpoint`` ``tcp://*:5557``, optional ``replay_endpoint``, ``buffer_steps``, ``hwm``,
   ``topic``). An endpoint with ``*`` or ``::`` is bound (on the worker's ``--host`` when that is a
   specific address, so tests bind 127.0.0.1), any other is connected, as vLLM does; the replay
-  endpoint is always bound;
+  endpoint is always bound. ``GET /kv_event_sources`` names the address a router connects to in
+  place of the wildcard (the bind address when it is one, else the pod's ``POD_IP``: a router
+  refuses ``*`` and ``0.0.0.0`` in a static source);
 - one ``[topic, seq (8 bytes big-endian, from 0), msgpack(batch)]`` message per engine step
   that changed the device cache; the batch is ``[time.time(), [events], 0]`` and the events are
   tagged maps (vLLM >= 0.24): ``BlockStored`` (``block_hashes``, ``parent_block_hash``,
@@ -36,6 +38,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import time
 from array import array
 from collections import deque
@@ -54,6 +57,7 @@ from kvpool.worker.sim.config import SimConfigError
 logger = logging.getLogger(__name__)
 
 MASK64 = (1 << 64) - 1
+_WILDCARD = re.compile(r"^(?P<scheme>tcp://)(?:\*|0\.0\.0\.0|\[::\])(?P<port>:\d+)$")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MEDIUM_GPU = "GPU"
 
@@ -110,14 +114,27 @@ class KvEventsConfig:
     def enabled(self) -> bool:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
-    def sources(self) -> dict[str, dict[str, Any]]:
+    def sources(self, host: str | None = None) -> dict[str, dict[str, Any]]:
         """``GET /kv_event_sources``: vLLM's body keyed by DP rank, plus the ``encoding`` and
-        ``schema_version`` vllm-router's discovery requires before it subscribes."""
+        ``schema_version`` vllm-router's discovery requires before it subscribes; ``host``
+        replaces a wildcard endpoint host (where clients connect)."""
         if not self.enabled:
             return {}
         body = dict(self.__dict__)
+        if host:
+            for key in ("endpoint", "replay_endpoint"):
+                if body[key]:
+                    body[key] = advertised(body[key], host)
         body.update(encoding="msgpack", schema_version=1)
         return {"0": body}
+
+
+def advertised(endpoint: str, host: str) -> str:
+    """``tcp://*:5557`` (or ``0.0.0.0``, ``[::]``) as clients reach it: ``tcp://HOST:5557``."""
+    m = _WILDCARD.match(endpoint)
+    if m is None:
+        return endpoint
+    return f"{m['scheme']}{f'[{host}]' if ':' in host else host}{m['port']}"
 
 
 def parse_kv_events_config(text: str | None) -> KvEventsConfig | None:
@@ -171,9 +188,11 @@ class DeviceEventPublisher:
         block_size: int,
         chunk_size: int,
         bind_host: str,
+        advertise_host: str | None = None,
         ctx: zmq.asyncio.Context | None = None,
     ) -> None:
         self.config = config
+        self.advertise_host = advertise_host
         self.block_size = block_size
         self.chunk_size = chunk_size
         self._bind_host = bind_host
@@ -188,6 +207,10 @@ class DeviceEventPublisher:
         self._refs: dict[int, int] = {}
         self._blocks: dict[int, list[int]] = {}  # published chunk -> its block hashes
         self.counters = {"kv_event_batches": 0.0, "kv_events": 0.0, "kv_event_unknown_chunks": 0.0}
+
+    def sources(self) -> dict[str, dict[str, Any]]:
+        """``GET /kv_event_sources``, naming the advertised host in place of a wildcard."""
+        return self.config.sources(self.advertise_host)
 
     async def start(self) -> None:
         address, bind = _local_address(self.config.endpoint, self._bind_host)
