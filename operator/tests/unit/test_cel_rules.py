@@ -57,8 +57,8 @@ def _check(kind: str, obj: dict[str, Any]) -> list[str]:
 
 def test_crds_carry_rules() -> None:
     assert len(_all_rules("KVCachePool")) == 2
-    assert len(_all_rules("P2PGroup")) == 2  # delay pull; a sim engine on cpu
-    assert len(_all_rules("PDPair")) == 3  # a sim engine on cpu (each side); no sim in PD
+    assert len(_all_rules("P2PGroup")) == 3  # delay pull; a sim engine on cpu; kvEvents
+    assert len(_all_rules("PDPair")) == 5  # sim on cpu and kvEvents (each side); no sim in PD
 
 
 def test_every_example_satisfies_every_rule() -> None:
@@ -108,7 +108,30 @@ def test_every_example_satisfies_every_rule() -> None:
             ),
             "!has(self.prefill.engine.sim) && !has(self.decode.engine.sim)",
         ),
+        (
+            "P2PGroup",
+            p2p(engine={"platform": "cpu", "kvEvents": True}, transfer={}).model_dump(
+                by_alias=True, exclude_none=True
+            ),
+            "!has(self.kvEvents) || !self.kvEvents || self.platform != 'cpu' || has(self.sim)",
+        ),
+        (
+            "PDPair",
+            pd(decode={"engine": {"platform": "cpu", "kvEvents": True}}).model_dump(
+                by_alias=True, exclude_none=True
+            ),
+            "!has(self.kvEvents) || !self.kvEvents || self.platform != 'cpu' || has(self.sim)",
+        ),
     ],
 )
 def test_rules_reject_what_validation_rejects(kind: str, obj: dict[str, Any], rule: str) -> None:
     assert _check(kind, obj) == [rule]
+
+
+def test_kv_events_rule_admits_vllm_and_the_sim() -> None:
+    for engine in (
+        {"platform": "cuda", "kvEvents": True},
+        {"platform": "cpu", "sim": {"profile": SIM}, "kvEvents": True},
+    ):
+        group = p2p(engine=engine, transfer={}).model_dump(by_alias=True, exclude_none=True)
+        assert _check("P2PGroup", group) == []

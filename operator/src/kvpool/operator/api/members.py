@@ -109,12 +109,25 @@ class EngineSpec(ApiModel):
         "tiers are requested: the simulated tiers allocate nothing. Not in a PDPair and not "
         "with a remote tier.",
     )
+    kv_events: bool = Field(
+        default=False,
+        description="Publish vLLM's KV-cache events over ZMQ for external KV-aware routers "
+        "(vllm-router's kv_aware policy, llm-d): the worker gets vLLM's --kv-events-config "
+        "with an events PUB and a replay ROUTER port, allocated per instance with its other "
+        "ports (container ports kv-events and kv-replay). vLLM (ascend, cuda) and engine.sim; "
+        "the reference engine (platform cpu without sim) publishes none. Default false.",
+    )
 
     model_config = cel_rules(
         (
             "!has(self.sim) || self.platform == 'cpu'",
             "a sim engine runs on CPUs: set platform: cpu (the profile names the simulated chip)",
-        )
+        ),
+        (
+            "!has(self.kvEvents) || !self.kvEvents || self.platform != 'cpu' || has(self.sim)",
+            "kvEvents: the reference engine (platform cpu without sim) publishes no KV events: "
+            "set engine.sim or a vLLM platform (ascend, cuda), or remove kvEvents",
+        ),
     )
 
     def accelerator(self) -> str:
@@ -179,6 +192,15 @@ class P2PInstancePorts(ApiModel):
     )
     lookup_ports: list[int] = Field(
         default_factory=list, description="p2p_lookup_ports, one per TP rank (P2P only)."
+    )
+    kv_events: int | None = Field(
+        default=None, ge=1, le=65535, description="The KV-event PUB port (engine.kvEvents only)."
+    )
+    kv_events_replay: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="The KV-event replay ROUTER port (engine.kvEvents only).",
     )
 
 

@@ -7,6 +7,7 @@ same instances with the same engine and TP, so the pairing is made once here.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -80,13 +81,28 @@ def engine_kind(engine: EngineSpec) -> str:
     return "reference" if engine.platform == "cpu" else "vllm"
 
 
+def kv_events_config(ports: tuple[int, int]) -> str:
+    """vLLM's ``--kv-events-config`` for the instance's (PUB, replay ROUTER) ports: ZMQ on every
+    interface of the pod (``*``: vLLM binds; the simulated engine binds on its ``--host``)."""
+    pub, replay = ports
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}",
+    }
+    return json.dumps(config, separators=(",", ":"))
+
+
 def worker_command(pool: KVCachePool, inst: Instance) -> list[str]:
     """``kvpool-worker serve``: vLLM on ascend/cuda, the reference engine on cpu, the
     simulated engine (its profile and the pool's model shape) for engine.sim.
 
     The worker derives vLLM's --kv-transfer-config (connector, kv_role from pd_role,
     discard_partial_chunks, skip_last_n_tokens) from the mounted LMCache config; the operator
-    passes the domain facts and the instance's distinct lmcache_rpc_port identifier (rule 3).
+    passes the domain facts and the instance's distinct lmcache_rpc_port identifier (rule 3),
+    and with engine.kvEvents vLLM's KV-event publisher on the instance's own ports (the worker
+    hands it to vLLM; the simulated engine publishes its device cache there).
     """
     engine = inst.engine
     command = [
@@ -117,6 +133,8 @@ def worker_command(pool: KVCachePool, inst: Instance) -> list[str]:
     ]
     if engine.sim is not None:
         command += sim_flags(pool, engine.sim)
+    if engine.kv_events and inst.ports.kv_events is not None:
+        command += ["--kv-events-config", kv_events_config(inst.ports.kv_events)]
     if engine.args:
         command += ["--", *engine.args]
     return command

@@ -58,7 +58,8 @@ def _probe_pools() -> list[KVCachePool]:
 def _sim_probe() -> P2PGroup:
     """A simulated group setting every optional sim field (every sim flag is rendered)."""
     sim = {"profile": SIM_PROFILES[0], "deviceKVGiB": 1, "maxNumSeqs": 1, "maxNumBatchedTokens": 1}
-    spec = {"poolRef": {"name": "probe"}, "engine": {"platform": "cpu", "sim": sim}}
+    engine = {"platform": "cpu", "sim": sim, "kvEvents": True}
+    spec = {"poolRef": {"name": "probe"}, "engine": engine}
     return P2PGroup.model_validate({"metadata": {"name": "s"}, "spec": spec})
 
 

@@ -3,7 +3,8 @@
 Why: the seed manual's most common breakage is a port list whose length differs from the TP
 size, or two instances on one node binding the same port. Here each instance of a member
 takes its own block of consecutive ports from the member's base; inside a block the HTTP port
-comes first, then one port per TP rank for each LMCache list. Blocks of different instances
+comes first, then one port per TP rank for each LMCache list, then (engine.kvEvents) vLLM's
+KV-event PUB and replay ROUTER ports. Blocks of different instances
 never overlap, so instances sharing a node (hostNetwork) never collide; different members of a
 domain are checked for disjoint ranges by validation (rule 2).
 """
@@ -18,32 +19,45 @@ from kvpool.operator.api.members import P2PGroup, PDPair
 
 @dataclass(frozen=True)
 class InstancePorts:
-    """The ports of one instance: its HTTP API and its per-TP-rank LMCache lists."""
+    """The ports of one instance: its HTTP API, its per-TP-rank LMCache lists and, when its
+    engine publishes vLLM's KV events, their PUB and replay ROUTER ports."""
 
     name: str
     role: str
     index: int
     http: int
     lists: dict[str, list[int]] = field(default_factory=dict)
+    kv_events: tuple[int, int] | None = None  # (events PUB, replay ROUTER)
 
     def all_ports(self) -> list[int]:
         """Every port this instance binds."""
-        return [self.http, *(p for ports in self.lists.values() for p in ports)]
+        lists = (p for ports in self.lists.values() for p in ports)
+        return [self.http, *lists, *(self.kv_events or ())]
 
 
 def _block(ports_per_instance: int) -> int:
     return int(math.ceil(ports_per_instance / 10.0) * 10)
 
 
-def p2p_block_size(tp: int, *, p2p: bool = True) -> int:
+#: Ports of vLLM's KV-event publisher per instance (engine.kvEvents): events PUB, replay ROUTER.
+KV_EVENT_PORTS = 2
+
+
+def p2p_block_size(tp: int, *, p2p: bool = True, kv_events: bool = False) -> int:
     """Ports reserved per P2P-group instance: HTTP + 3 lists of TP ports (1 list, the
-    controller's worker ports, when the group does not pull KV from peers), rounded up to tens."""
-    return _block(1 + (3 if p2p else 1) * tp)
+    controller's worker ports, when the group does not pull KV from peers) + the KV-event
+    ports when the engine publishes them, rounded up to tens."""
+    return _block(1 + (3 if p2p else 1) * tp + (KV_EVENT_PORTS if kv_events else 0))
 
 
-def pd_block_size(prefill_tp: int, decode_tp: int) -> int:
-    """Ports reserved per PD instance: HTTP + 2 lists of TP ports, rounded up to tens."""
-    return _block(1 + 2 * max(prefill_tp, decode_tp))
+def pd_block_size(prefill_tp: int, decode_tp: int, *, kv_events: bool = False) -> int:
+    """Ports reserved per PD instance: HTTP + 2 lists of TP ports + the KV-event ports when
+    either side publishes them, rounded up to tens."""
+    return _block(1 + 2 * max(prefill_tp, decode_tp) + (KV_EVENT_PORTS if kv_events else 0))
+
+
+def _events(at: int) -> tuple[int, int]:
+    return (at, at + 1)
 
 
 #: The per-rank lists of a P2P-group instance, in block order; a group with ``p2p: false``
@@ -61,19 +75,29 @@ def p2p_ports(group: P2PGroup) -> list[InstancePorts]:
     tp = spec.tensor_parallel_size
     name = group.metadata.name
     keys = P2P_LISTS if spec.p2p else P2P_LISTS[:1]
+    events = spec.engine.kv_events
     result: list[InstancePorts] = []
     if spec.ports.instances is not None:
         for i, explicit in enumerate(spec.ports.instances):
             given = (explicit.worker_ports, explicit.init_ports, explicit.lookup_ports)
             lists = {k: list(ports) for k, ports in zip(keys, given, strict=False)}
-            result.append(InstancePorts(f"{name}-{i}", "p2p", i, explicit.http, lists))
+            pub, replay = explicit.kv_events, explicit.kv_events_replay
+            # Both or none: validation (rule 2) names an explicit entry that lacks one.
+            kv = (pub, replay) if events and pub is not None and replay is not None else None
+            result.append(InstancePorts(f"{name}-{i}", "p2p", i, explicit.http, lists, kv))
         return result
-    block = p2p_block_size(tp, p2p=spec.p2p)
+    block = p2p_block_size(tp, p2p=spec.p2p, kv_events=events)
     for i in range(spec.replicas):
         start = spec.ports.base + i * block
         lists = {k: _seq(start + 1 + j * tp, tp) for j, k in enumerate(keys)}
-        result.append(InstancePorts(f"{name}-{i}", "p2p", i, start, lists))
+        kv = _events(start + 1 + len(keys) * tp) if events else None
+        result.append(InstancePorts(f"{name}-{i}", "p2p", i, start, lists, kv))
     return result
+
+
+def pd_kv_events(pair: PDPair) -> bool:
+    """Whether either side of a PD pair publishes KV events (its blocks hold their ports)."""
+    return pair.spec.prefill.engine.kv_events or pair.spec.decode.engine.kv_events
 
 
 def pd_ports(pair: PDPair, *, sender_pull: bool) -> list[InstancePorts]:
@@ -81,23 +105,27 @@ def pd_ports(pair: PDPair, *, sender_pull: bool) -> list[InstancePorts]:
 
     Prefill instances get ``pd_pull_done_port`` only when the mode is a pull mode (the sender
     collects Done there); decode instances get ``pd_peer_init_port`` and ``pd_peer_alloc_port``.
+    The KV-event ports of a side whose engine publishes them follow the longest lists.
     """
     spec = pair.spec
     name = pair.metadata.name
     tpp, tpd = spec.prefill.tensor_parallel_size, spec.decode.tensor_parallel_size
-    block = pd_block_size(tpp, tpd)
+    block = pd_block_size(tpp, tpd, kv_events=pd_kv_events(pair))
+    events_at = 1 + 2 * max(tpp, tpd)
     result: list[InstancePorts] = []
     for i in range(spec.prefill.replicas):
         start = spec.ports.base + i * block
         lists = {"pd_pull_done_port": _seq(start + 1, tpp)} if sender_pull else {}
-        result.append(InstancePorts(f"{name}-prefill-{i}", "prefill", i, start, lists))
+        kv = _events(start + events_at) if spec.prefill.engine.kv_events else None
+        result.append(InstancePorts(f"{name}-prefill-{i}", "prefill", i, start, lists, kv))
     for j in range(spec.decode.replicas):
         start = spec.ports.base + (spec.prefill.replicas + j) * block
         lists = {
             "pd_peer_init_port": _seq(start + 1, tpd),
             "pd_peer_alloc_port": _seq(start + 1 + tpd, tpd),
         }
-        result.append(InstancePorts(f"{name}-decode-{j}", "decode", j, start, lists))
+        kv = _events(start + events_at) if spec.decode.engine.kv_events else None
+        result.append(InstancePorts(f"{name}-decode-{j}", "decode", j, start, lists, kv))
     return result
 
 
@@ -108,9 +136,16 @@ def member_port_range(member: P2PGroup | PDPair) -> tuple[int, int]:
         if member.spec.ports.instances is not None:
             every = [p for inst in ports for p in inst.all_ports()]
             return (min(every), max(every)) if every else (0, 0)
-        block = p2p_block_size(member.spec.tensor_parallel_size, p2p=member.spec.p2p)
-        return member.spec.ports.base, member.spec.ports.base + len(ports) * block - 1
-    spec = member.spec
-    block = pd_block_size(spec.prefill.tensor_parallel_size, spec.decode.tensor_parallel_size)
-    slots = spec.prefill.replicas + spec.decode.replicas
-    return spec.ports.base, spec.ports.base + slots * block - 1
+        spec = member.spec
+        block = p2p_block_size(
+            spec.tensor_parallel_size, p2p=spec.p2p, kv_events=spec.engine.kv_events
+        )
+        return spec.ports.base, spec.ports.base + len(ports) * block - 1
+    pd = member.spec
+    block = pd_block_size(
+        pd.prefill.tensor_parallel_size,
+        pd.decode.tensor_parallel_size,
+        kv_events=pd_kv_events(member),
+    )
+    slots = pd.prefill.replicas + pd.decode.replicas
+    return pd.ports.base, pd.ports.base + slots * block - 1

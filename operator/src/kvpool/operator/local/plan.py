@@ -7,7 +7,10 @@ checks independently that the rewrite changed nothing else. The rewrites are exa
 cluster provides and a laptop lacks:
 
 - Service and StatefulSet-pod DNS names, and the address of a service the pool names
-  (its Redis), -> ``127.0.0.1``; bind address ``0.0.0.0`` -> ``127.0.0.1``;
+  (its Redis), -> ``127.0.0.1``; bind address ``0.0.0.0`` -> ``127.0.0.1``; a ZMQ wildcard
+  bind (``tcp://*:PORT``, vLLM's KV-event endpoints) stays a wildcard bind on the local port
+  (``*`` means bind to vLLM, any address means connect; the worker binds it on its own
+  ``--host``, 127.0.0.1 here);
 - container ports -> local ports (one map for the whole domain, so every reference to a port,
   in flags, JSON flags, env and mounted YAML, moves together);
 - ConfigMap mounts -> local files, and the env that points at them;
@@ -31,6 +34,7 @@ from kvpool.operator.api.pool import KVCachePool
 
 LOOPBACK = "127.0.0.1"
 BIND_ANY = "0.0.0.0"
+ZMQ_WILDCARD = "*"
 Obj = dict[str, Any]
 _ADDR = re.compile(
     r"^(?P<scheme>[a-z][a-z0-9+.-]*://)?(?P<host>[^/:\s]+)(?::(?P<port>\d+))?(?P<rest>/.*)?$"
@@ -245,6 +249,10 @@ def _address(value: str, cmap: ClusterMap) -> str:
     if parts is None:
         return value
     scheme, host, port, rest = parts
+    if host == ZMQ_WILDCARD:
+        if port is None:
+            return value
+        return f"{scheme}{ZMQ_WILDCARD}:{cmap.ports.get(port, port)}{rest}"
     if port is not None and (host, port) in cmap.external:
         new_port: int | None = cmap.external[(host, port)]
     elif host == BIND_ANY:
@@ -283,6 +291,12 @@ def _by_key(key: str, value: Any, cmap: ClusterMap) -> Any:
         return [_by_key(key, v, cmap) for v in value]
     if "port" in low:
         return _port(value, cmap)
+    if isinstance(value, str) and value.startswith("{"):  # a JSON flag: by its own keys
+        with contextlib.suppress(json.JSONDecodeError):
+            data = json.loads(value)
+            if isinstance(data, dict):
+                new = _by_key(key, data, cmap)
+                return value if new == data else json.dumps(new, separators=(",", ":"))
     if isinstance(value, str):  # only a cluster host (or 0.0.0.0) is ever rewritten
         return _address(value, cmap)
     return value
@@ -382,7 +396,11 @@ def _allowed(old: Any, new: Any, cmap: ClusterMap, files: Mapping[str, str]) -> 
         new_name, _, new_value = new.partition("=")
         return name == new_name and _allowed(value, new_value, cmap, files)
     a, b = _split(old), _split(new)
-    if a is None or b is None or (a[0], a[3]) != (b[0], b[3]) or b[1] != LOOPBACK:
+    if a is None or b is None or (a[0], a[3]) != (b[0], b[3]):
+        return False
+    if a[1] == ZMQ_WILDCARD:  # stays a wildcard bind, on the local port
+        return b[1] == ZMQ_WILDCARD and a[2] is not None and b[2] == cmap.ports.get(a[2], a[2])
+    if b[1] != LOOPBACK:
         return False
     if a[2] is not None and (a[1], a[2]) in cmap.external:
         return b[2] == cmap.external[(a[1], a[2])]

@@ -97,6 +97,8 @@ def _port_names(inst: InstancePorts) -> dict[str, int]:
     for key, ports in inst.lists.items():
         for rank, port in enumerate(ports):
             out[f"{short[key]}-{rank}"] = port
+    if inst.kv_events is not None:  # port names are at most 15 characters
+        out["kv-events"], out["kv-replay"] = inst.kv_events
     return out
 
 

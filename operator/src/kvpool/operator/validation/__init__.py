@@ -2,8 +2,9 @@
 
 ``validate_domain(pool, members)`` returns structured problems (errors and warnings); the CLI,
 the admission webhook and the status function all call it. No I/O. The rules live by family in
-rules_domain (seed, fingerprint, model/chunk/block/TP relations, pool settings), rules_ports
-(rules 2-3), rules_transfer (4, 5, 6, 8) and rules_sizing (7, 9, 10).
+rules_domain (seed, fingerprint, model/chunk/block/TP relations, pool settings, which engines
+publish KV events), rules_ports (rules 2-3), rules_transfer (4, 5, 6, 8), rules_sizing (7, 9,
+10) and rules_sim (the simulated engine).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ RULES = (
     rules_domain.pool_checks,
     rules_domain.rule1_domain,
     rules_domain.model_relations,
+    rules_domain.kv_events,
     rules_ports.rule2_ports,
     rules_ports.rule3_instance_ids,
     rules_transfer.rule4_p2p_disk,

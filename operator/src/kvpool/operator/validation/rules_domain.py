@@ -40,6 +40,7 @@ _FLAG_FIELDS = {
     "--num-layers": "the pool's model.numLayers",
     "--num-kv-heads": "the pool's model.numKvHeads",
     "--head-dim": "the pool's model.headDim",
+    "--kv-events-config": "engine.kvEvents (kvpool allocates its ports per instance)",
 }
 
 
@@ -122,6 +123,28 @@ def rule1_domain(pool: KVCachePool, members: Members) -> list[Problem]:
                         ),
                     )
                 )
+    return out
+
+
+def kv_events(pool: KVCachePool, members: Members) -> list[Problem]:
+    """engine.kvEvents needs an engine that publishes vLLM's KV events: vLLM or engine.sim."""
+    out: list[Problem] = []
+    for member in members:
+        for path, engine, _ in engines(member):
+            if not engine.kv_events or engine.platform != "cpu" or engine.sim is not None:
+                continue
+            field = f"{path}.kvEvents"
+            out.append(
+                Problem(
+                    where(member, field),
+                    "kvpool's reference engine (platform cpu without engine.sim) publishes no "
+                    "vLLM KV events, so no router would learn what its instances hold",
+                    f"remove {field.removeprefix('spec.')}, or run the simulated engine "
+                    f"({path.removeprefix('spec.')}.sim) or vLLM (platform ascend or cuda)",
+                    code="engine.kv-events",
+                    patch=(remove_field(member, field),),
+                )
+            )
     return out
 
 

@@ -84,20 +84,64 @@ def _explicit_lists(member: P2PGroup, out: list[Problem]) -> None:
                 )
 
 
+def _unbound(member: P2PGroup, drop: set[str], message: str, fix: str, code: str) -> Problem:
+    """Explicit ports nothing binds; the patch keeps ports.instances without ``drop``."""
+    explicit = member.spec.ports.instances or []
+    kept = [p.model_dump(by_alias=True, exclude=drop, exclude_none=True) for p in explicit]
+    patch = (set_field(member, "spec.ports.instances", kept),)
+    return Problem(
+        where(member, "spec.ports.instances"), message, fix, rule=2, code=code, patch=patch
+    )
+
+
 def _unused_p2p_lists(member: P2PGroup, out: list[Problem]) -> None:
     """Explicit P2P port lists of a group with ``p2p: false``: bound by nothing."""
     explicit = member.spec.ports.instances or []
     if member.spec.p2p or not any(p.init_ports or p.lookup_ports for p in explicit):
         return
-    kept = [p.model_dump(by_alias=True, exclude={"init_ports", "lookup_ports"}) for p in explicit]
     out.append(
-        Problem(
-            where(member, "spec.ports.instances"),
+        _unbound(
+            member,
+            {"init_ports", "lookup_ports"},
             "lists initPorts/lookupPorts, but a group with p2p: false binds no P2P ports",
             "remove initPorts and lookupPorts from ports.instances, or set p2p: true",
-            rule=2,
-            code="ports.explicit-p2p",
-            patch=(set_field(member, "spec.ports.instances", kept),),
+            "ports.explicit-p2p",
+        )
+    )
+
+
+def _explicit_kv_events(member: P2PGroup, out: list[Problem]) -> None:
+    """Explicit ports and engine.kvEvents: every entry names both KV-event ports, or none does
+    when the engine publishes no events."""
+    explicit = member.spec.ports.instances or []
+    if member.spec.engine.kv_events:
+        missing = [
+            i for i, p in enumerate(explicit) if p.kv_events is None or p.kv_events_replay is None
+        ]
+        if missing:
+            out.append(
+                Problem(
+                    where(member, f"spec.ports.instances[{missing[0]}]"),
+                    f"engine.kvEvents is on but ports.instances {missing} do not name both "
+                    "kvEvents and kvEventsReplay: the instance would publish on no port",
+                    "give every entry of ports.instances kvEvents and kvEventsReplay, or remove "
+                    "ports.instances and let kvpool allocate them from ports.base",
+                    rule=2,
+                    code="ports.explicit-kv-events",
+                    patch=(remove_field(member, "spec.ports.instances"),),
+                )
+            )
+        return
+    if not any(p.kv_events is not None or p.kv_events_replay is not None for p in explicit):
+        return
+    out.append(
+        _unbound(
+            member,
+            {"kv_events", "kv_events_replay"},
+            "lists kvEvents/kvEventsReplay, but the engine publishes no KV events "
+            "(engine.kvEvents is false)",
+            "remove kvEvents and kvEventsReplay from ports.instances, or set engine.kvEvents: true",
+            "ports.explicit-kv-events-unused",
         )
     )
 
@@ -109,6 +153,7 @@ def rule2_ports(pool: KVCachePool, members: Members) -> list[Problem]:
         if isinstance(member, P2PGroup) and _explicit(member):
             _explicit_lists(member, out)
             _unused_p2p_lists(member, out)
+            _explicit_kv_events(member, out)
         every = [p for inst in member_instances(member) for p in inst.all_ports()]
         dupes = sorted(p for p, n in Counter(every).items() if n > 1)
         if dupes:
