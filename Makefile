@@ -80,10 +80,16 @@ verify-generated: install ## Fail if the generated CRDs or values schema drifted
 
 ##@ Benchmarks
 .PHONY: bench bench-%
-bench: install ## Run every component's benchmark (QUICK=1 for the reduced run); JSON in bench-results/
+bench: install ## Run every component's benchmark and the fleet's (QUICK=1 for the reduced run); JSON in bench-results/
 	@set -e; for c in $(COMPONENTS); do \
 	  if [ -f $$c/bench/run.py ]; then $(MAKE) --no-print-directory bench-$$c QUICK=$(QUICK); fi; \
 	done
+	@$(MAKE) --no-print-directory bench-fleet QUICK=$(QUICK)
+
+.PHONY: bench-fleet
+bench-fleet: install ## kvpool vs sglang-router, vllm-router, Dynamo on a simulated fleet and a real trace; the simulator checked against it; 1000-instance scale (bench-results/fleet.json)
+	@mkdir -p bench-results
+	PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false $(BIN)/python gateway/bench/fleet/run.py $(if $(QUICK),--quick) --out bench-results/fleet.json
 
 bench-%: install ## Run one component's benchmark, e.g. make bench-controller QUICK=1
 	@mkdir -p bench-results
