@@ -31,6 +31,9 @@ from kvpool.gateway.fleetsim.stats import summarize
 from kvpool.gateway.traces.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from kvpool.protocol.simcore.profile import GIB, PerfProfile
 
+PENDING_TTL_WALL_S = 2.0  # gateway.yaml guards.pendingTtlSeconds (default)
+INDEX_LAG_WALL_S = 0.02
+
 
 @dataclass(frozen=True)
 class FleetPlan:
@@ -59,6 +62,10 @@ class FleetPlan:
         return self.time_scale * self.speedup
 
     def fleet_config(self, profile: PerfProfile, policy: str = "kv-aware") -> FleetConfig:
+        """The simulator's fleet for this plan. The gateway's clocks run in wall time (its
+        pending-prefix TTL, 2 s; the index's lag behind an admit, about 20 ms: LMCache's
+        10 ms batching, the controller's publish, the replica's apply), so in model time they
+        are those times x ``speedup``."""
         return FleetConfig(
             instances=self.instances,
             profile=profile,
@@ -69,6 +76,8 @@ class FleetPlan:
             device_kv_gib=self.device_kv_gib,
             max_model_len=self.max_model_len,
             policy=policy,
+            pending_ttl_s=PENDING_TTL_WALL_S * self.speedup,
+            index_lag_s=INDEX_LAG_WALL_S * self.speedup,
         )
 
 
