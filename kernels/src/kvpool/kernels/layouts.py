@@ -431,8 +431,12 @@ def _host_plan(
         raise LayoutError(f"slot {int(slots.max())} is out of range: the cache has {nb * bs} slots")
     row = h * d * first.element_size()
     tokens = torch.tensor([int(c.size(2)) for c in chunks], dtype=torch.long)
-    chunk_of = torch.repeat_interleave(torch.arange(len(chunks)), tokens)
-    t_in = torch.arange(n) - (torch.cumsum(tokens, 0) - tokens)[chunk_of]
+    # chunk index of every token; not repeat_interleave, whose 2-thread CPU kernel waited
+    # 10-30 ms for its second thread on the busy box (cumsum of chunk starts takes 10 us)
+    firsts = torch.cumsum(tokens, 0) - tokens
+    later = firsts[1:]
+    chunk_of = torch.cumsum(torch.bincount(later[later < n], minlength=n)[:n], 0)
+    t_in = torch.arange(n) - firsts[chunk_of]
     valid = slots >= 0
     follows = torch.zeros(n, dtype=torch.bool)
     if n > 1:
