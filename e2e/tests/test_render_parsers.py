@@ -126,6 +126,20 @@ class Variants:
     tried: set[tuple[str, str, str]]
 
 
+def _publishing_engines(doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Paths of the member's engines that can publish vLLM's KV events (vLLM or engine.sim)."""
+    sides = {"P2PGroup": [("spec", "engine")], "PDPair": [("spec", s, "engine") for s in (
+        "prefill", "decode")]}.get(doc["kind"], [])  # fmt: skip
+    out = []
+    for path in sides:
+        engine: Any = doc
+        for key in path:
+            engine = engine.get(key, {})
+        if engine.get("platform") != "cpu" or "sim" in engine:
+            out.append(path)
+    return out
+
+
 def _render(docs: list[dict[str, Any]], source: str) -> list[dict[str, Any]] | None:
     loaded = load_text(yaml.safe_dump_all(docs), source)
     domains = loaded.domains()
@@ -155,6 +169,13 @@ def _collect() -> Variants:
                     for other, companion in COMPANIONS.get(tag, {}).items():
                         _set(variant[i], other, companion)
                     cases.append((f"{path.name}#{i + 1} {tag[1]}={value}", tag, variant))
+            engines = _publishing_engines(doc)
+            if engines:  # engine.kvEvents: --kv-events-config on its own ports
+                variant = copy.deepcopy(docs)
+                for engine in engines:
+                    _set(variant[i], (*engine, "kvEvents"), True)
+                tag = (doc["kind"], f"{path.name}#{i + 1} engine.kvEvents", "True")
+                cases.append((f"{path.name}#{i + 1} engine.kvEvents=true", tag, variant))
         for source, case, variant in cases:
             if case is not None:
                 out.tried.add(case)
@@ -286,9 +307,11 @@ def test_rendered_worker_parses_and_passes_its_own_start_checks(
             vllm = shlex.split(out.getvalue())
             assert "vllm.entrypoints.openai.api_server" in vllm
             _assert_vllm_accepts_dtypes(vllm)
+            events = _kv_events(w)
+            assert _flags(vllm).count(("--kv-events-config", events)) == (1 if events else 0)
             return
         if settings.engine == "sim":
-            _assert_sim_builds_from_the_render(cli, settings, env)
+            _assert_sim_builds_from_the_render(cli, settings, env, _kv_events(w))
             return
         from kvpool.worker.engine.model import model_shape
         from kvpool.worker.engine.offload.config import kv_dtype, load_config
@@ -302,9 +325,40 @@ def test_rendered_worker_parses_and_passes_its_own_start_checks(
         assert shape.num_layers > 0
 
 
-def _assert_sim_builds_from_the_render(cli: Any, settings: Any, env: dict[str, str]) -> None:
+def test_kv_events_reach_sim_and_vllm_workers_of_every_platform() -> None:
+    """engine.kvEvents renders --kv-events-config for the sim and vLLM on ascend and cuda (the
+    worker test above checks each against its ports, its parser and what it runs)."""
+    engines = set()
+    for _, w in WORKERS:
+        if _kv_events(w) is not None:
+            flags = dict(_flags(w.argv))
+            engines.add((flags["--engine"], flags["--platform"]))
+    assert engines == {("sim", "cpu"), ("vllm", "ascend"), ("vllm", "cuda")}
+
+
+def _kv_events(w: Workload) -> str | None:
+    """The rendered ``--kv-events-config`` (None without), checked against the instance's
+    container ports: vLLM's JSON, bound on every interface of the pod."""
+    flags = dict(_flags(w.argv))
+    text = flags.get("--kv-events-config")
+    if text is None:
+        assert not {"kv-events", "kv-replay"} & set(w.ports), w.ports
+        return None
+    assert json.loads(text) == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{w.ports['kv-events']}",
+        "replay_endpoint": f"tcp://*:{w.ports['kv-replay']}",
+    }
+    return text
+
+
+def _assert_sim_builds_from_the_render(
+    cli: Any, settings: Any, env: dict[str, str], events: str | None
+) -> None:
     """The simulated worker passes its start checks (the reference engine's contract, then
-    what it models of the config) and runs the rendered profile, shape and tiers."""
+    what it models of the config) and runs the rendered profile, shape and tiers, and publishes
+    vLLM's KV events where rendered, naming the pod's IP to routers."""
     config = cli.enforce_contract(settings, env)
     engine = cli.build_sim(settings, env, cli.tokenizer_for(settings))
     inst = engine.instance.config
@@ -314,6 +368,13 @@ def _assert_sim_builds_from_the_render(cli: Any, settings: Any, env: dict[str, s
     assert inst.ddr_chunks > 0  # the rendered CPU tier bounds the simulated DDR
     assert (engine.client is not None) == bool(config.get("enable_controller"))
     assert engine.p2p == bool(config.get("enable_p2p"))
+    assert (engine.kv_events is not None) == (events is not None)
+    if events is not None:
+        rendered = json.loads(events)
+        assert engine.kv_events.config.endpoint == rendered["endpoint"]
+        source = engine.kv_event_sources()["0"]
+        assert source["endpoint"] == rendered["endpoint"].replace("*", POD_IP)
+        assert source["replay_endpoint"] == rendered["replay_endpoint"].replace("*", POD_IP)
 
 
 # What vLLM's argument parser accepts (vLLM cannot be installed here, so its choices are
