@@ -20,6 +20,13 @@ Layout (no I/O, no threads, no logging):
   ``array('q')``; keys outside int64 in a list). Evictions leave stale entries that the mask
   filters out; the log is compacted when it is more than half stale. Purge, ``worker_keys`` and
   full sync walk one slot's log, never the whole index;
+- purging a whole slot (``remove_worker``, ``clear``) is O(1): the slot is detached at once —
+  it leaves every query, count and listing — and its bit becomes *dead*: scans mask dead bits
+  out, and the keys of its log are swept from the masks later, a bounded step at a time
+  (:meth:`ChunkIndex.sweep`, a few keys per admitted or evicted key, everything before
+  :meth:`ChunkIndex.stats`). LMCache drops a dead worker's own sets; here the masks are shared,
+  so the per-key work cannot vanish, but it no longer stalls the caller (a million-key worker
+  purged on a TTL used to block the controller's loop for about half a second);
 - a bitmask of *instances* is derived per distinct slot mask and memoised. The longest-prefix
   scan fetches masks a block at a time in C and only does per-instance work where the holder
   set changes; it stops once no instance can extend its prefix (at most ``SCAN_BLOCK`` hashes
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice, repeat
@@ -55,6 +63,9 @@ SCAN_BLOCK = 64
 _MEMO_LIMIT = 1 << 16
 #: A slot log is compacted when it holds more than twice its live keys plus this slack.
 _LOG_SLACK = 256
+#: Keys of purged slots swept per admitted/evicted key (at least ``_SWEEP_MIN`` a call).
+_SWEEP_PER_KEY = 2
+_SWEEP_MIN = 256
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,7 @@ class _Run:
 class _Slot:
     """One (instance, worker, location): its bit, live key count and key log."""
 
-    __slots__ = ("big", "bit", "count", "ident", "inst", "log")
+    __slots__ = ("big", "bit", "count", "ident", "inst", "log", "swept")
 
     def __init__(self, ident: tuple[str, int, str], inst: int, bit: int) -> None:
         self.ident = ident
@@ -103,6 +114,7 @@ class _Slot:
         self.count = 0
         self.log = array("q")
         self.big: list[int] = []  # keys that do not fit in int64 (or are not ints at all)
+        self.swept = 0  # once purged: how many logged keys have been swept
 
     def append(self, keys: list[int]) -> None:
         size = len(self.log)
@@ -119,6 +131,11 @@ class _Slot:
     def logged(self) -> Iterable[int]:
         """Every key ever logged (stale and repeated ones included)."""
         return chain(self.log, self.big)
+
+    def logged_range(self, start: int, stop: int) -> Iterable[int]:
+        """``list(self.logged())[start:stop]`` without walking the keys before ``start``."""
+        n = len(self.log)
+        return chain(self.log[start:stop], self.big[max(0, start - n) : max(0, stop - n)])
 
 
 class ChunkIndex:
@@ -137,6 +154,8 @@ class ChunkIndex:
         self._rank_slots: dict[int, int] = {}  # worker id -> mask of slots with that id
         self._canon: dict[int, int] = {}
         self._memo: dict[int, _Decoded] = {}
+        self._dead = 0  # bits of purged slots that masks may still carry
+        self._graves: deque[_Slot] = deque()  # purged slots whose keys are not swept yet
 
     # ------------------------------------------------------------------ slots
     def _slot(self, instance_id: str, worker_id: int, location: str) -> int:
@@ -164,15 +183,11 @@ class ChunkIndex:
         self._rank_slots[worker_id] = self._rank_slots.get(worker_id, 0) | record.bit
         return slot
 
-    def _release(self, slot: int) -> None:
-        """Forget an empty slot (and its instance when that was its last slot)."""
-        record = self._slots[slot]
-        assert record is not None and record.count == 0
+    def _detach(self, record: _Slot) -> None:
+        """Forget a slot's identity (and its instance when that was its last slot)."""
         instance_id, worker_id, _ = record.ident
         nbit = ~record.bit
         del self._slot_of[record.ident]
-        self._slots[slot] = None
-        heapq.heappush(self._free_slots, slot)
         rank = self._rank_slots[worker_id] & nbit
         if rank:
             self._rank_slots[worker_id] = rank
@@ -184,9 +199,73 @@ class ChunkIndex:
         else:
             del self._inst_slots[instance_id]
             heapq.heappush(self._free_insts, self._inst_of.pop(instance_id))
-        # masks that mention the slot are gone from the index; their memos must go too
+
+    def _free(self, slot: int) -> None:
+        """Make a slot id reusable: no mask carries its bit any more."""
+        self._slots[slot] = None
+        heapq.heappush(self._free_slots, slot)
+        # masks that mentioned the slot are gone from the index; their memos must go too
         self._memo.clear()
         self._canon.clear()
+
+    def _release(self, slot: int) -> None:
+        """Forget an empty slot (and its instance when that was its last slot)."""
+        record = self._slots[slot]
+        assert record is not None and record.count == 0
+        self._detach(record)
+        self._free(slot)
+
+    def _purge(self, slot: int) -> int:
+        """Take a whole slot out of the index now; its keys are swept later. Returns how many
+        chunk-locations it held."""
+        record = self._record(slot)
+        removed = record.count
+        record.count = 0
+        self._count -= removed
+        self._detach(record)
+        self._dead |= record.bit
+        self._graves.append(record)
+        self._memo.clear()
+        return removed
+
+    def sweep(self, budget: int | None = None) -> int:
+        """Clear up to ``budget`` logged keys of purged slots from the masks (None: all).
+
+        Returns how many keys are still to sweep. Queries are exact whether or not this ran;
+        it only bounds memory and lets the slot ids be reused.
+        """
+        chunks = self._chunks
+        get = chunks.get
+        canon = self._canon
+        while self._graves and (budget is None or budget > 0):
+            record = self._graves[0]
+            bit = record.bit
+            nbit = ~bit
+            logged = len(record.log) + len(record.big)
+            stop = logged if budget is None else min(logged, record.swept + budget)
+            start = record.swept
+            for key in record.logged_range(start, stop):
+                mask = get(key)
+                if mask is not None and mask & bit:
+                    mask &= nbit
+                    if mask:
+                        chunks[key] = canon.setdefault(mask, mask)
+                    else:
+                        del chunks[key]
+            record.swept = stop
+            if budget is not None:
+                budget -= stop - start
+            if stop == logged:
+                self._graves.popleft()
+                self._dead &= nbit
+                self._free(bit.bit_length() - 1)
+            if len(canon) >= _MEMO_LIMIT:
+                canon.clear()
+        return sum(len(r.log) + len(r.big) - r.swept for r in self._graves)
+
+    def _sweep_some(self, keys: int) -> None:
+        if self._graves:
+            self.sweep(max(_SWEEP_MIN, _SWEEP_PER_KEY * keys))
 
     def _record(self, slot: int) -> _Slot:
         record = self._slots[slot]
@@ -283,6 +362,7 @@ class ChunkIndex:
         """Record that the worker's ``location`` tier holds ``keys``; returns how many are new."""
         if not keys:
             return 0
+        self._sweep_some(len(keys))
         # a new slot has no bits yet, so non-empty keys always leave it non-empty
         return self._add(self._slot(instance_id, worker_id, location), keys)
 
@@ -291,6 +371,7 @@ class ChunkIndex:
         slot = self._slot_of.get((instance_id, worker_id, location))
         if slot is None or not keys:
             return 0
+        self._sweep_some(len(keys))
         return self._drop(slot, keys)
 
     def clear(
@@ -311,7 +392,7 @@ class ChunkIndex:
                 continue
             if location is not None and record.ident[2] != location:
                 continue
-            removed += self._drop(slot, record.logged())
+            removed += self._purge(slot)
         return removed
 
     def remove_worker(self, instance_id: str, worker_id: int) -> int:
@@ -405,7 +486,7 @@ class ChunkIndex:
 
         Only instances holding the first chunk appear. See ``InstanceHit`` for the fields.
         """
-        hits, runs = self._scan(hashes, -1)
+        hits, runs = self._scan(hashes, ~self._dead)
         if not hits:
             return {}
         per_loc: dict[int, dict[str, int]] = {inst: {} for inst in hits}
@@ -446,6 +527,7 @@ class ChunkIndex:
 
     def stats(self) -> dict[str, int]:
         """Sizes: chunk_locations, chunks, instances, workers, and ``location:<name>`` counts."""
+        self.sweep()
         out = {
             "chunk_locations": self._count,
             "chunks": len(self._chunks),
