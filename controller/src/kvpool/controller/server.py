@@ -32,6 +32,9 @@ from kvpool.protocol import lmcache_wire as p
 
 logger = logging.getLogger(__name__)
 
+#: Keys of purged workers swept from the index per loop turn (about a millisecond of work).
+SWEEP_STEP = 2048
+
 
 def detect_ip() -> str:
     """The address of the default route (no packet is sent), or loopback."""
@@ -162,6 +165,7 @@ class ControllerServer:
                 tg.create_task(self._drain_loop("snapshot", self._on_snapshot))
             if self.settings.purge_enabled:
                 tg.create_task(self._purge_loop())
+            tg.create_task(self._sweep_loop())
             if self.store is not None:
                 tg.create_task(self.store.run(self._snapshot_now))
             self.ready = True
@@ -295,6 +299,14 @@ class ControllerServer:
             await asyncio.sleep(self.settings.health_check_interval)
             self.service.purge_expired()
             self.flush()
+
+    async def _sweep_loop(self) -> None:
+        """Sweep purged workers' keys out of the index in ~1 ms steps between other work (a
+        purge itself is O(1): see ``kvpool.protocol.index``)."""
+        index = self.service.index
+        while True:
+            left = index.sweep(SWEEP_STEP)
+            await asyncio.sleep(0 if left else 0.05)
 
     def _snapshot_now(self) -> dl.Snapshot:
         self.flush()
