@@ -29,7 +29,9 @@ Layout (no I/O, no threads, no logging):
   purged on a TTL used to block the controller's loop for about half a second);
 - a bitmask of *instances* is derived per distinct slot mask and memoised. The longest-prefix
   scan fetches masks a block at a time in C and only does per-instance work where the holder
-  set changes; it stops once no instance can extend its prefix (at most ``SCAN_BLOCK`` hashes
+  set changes; blocks grow from ``FIRST_BLOCK`` to ``SCAN_BLOCK`` hashes, so a prompt that
+  misses after a chunk or two (a cold prompt, a P2P probe of random hashes) costs a few probes,
+  not a block of 64; it stops once no instance can extend its prefix (at most ``SCAN_BLOCK`` hashes
   are read past that point).
 
 A *chunk-location* is one (chunk hash, instance, worker, location) fact; ``len(index)`` counts
@@ -59,6 +61,8 @@ TIER_ORDER: tuple[str, ...] = tuple(sorted((b.name for b in BACKENDS), key=tier_
 
 #: Hashes fetched per step of a prefix scan (the most it reads past where it stops).
 SCAN_BLOCK = 64
+#: The first step's size; each next step doubles up to ``SCAN_BLOCK``.
+FIRST_BLOCK = 8
 #: Memo tables are dropped and rebuilt when they grow past this many entries.
 _MEMO_LIMIT = 1 << 16
 #: A slot log is compacted when it holds more than twice its live keys plus this slack.
@@ -446,8 +450,10 @@ class ChunkIndex:
         prev = -1  # last filtered mask
         start = 0
         n = 0
+        size = FIRST_BLOCK
         while True:
-            block = list(map(get, islice(source, SCAN_BLOCK), zeros))
+            block = list(map(get, islice(source, size), zeros))
+            size = min(2 * size, SCAN_BLOCK)
             if not block:
                 break
             if block[0] is raw and block.count(raw) == len(block):
