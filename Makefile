@@ -38,6 +38,12 @@ $(STAMP): $(foreach c,$(COMPONENTS),$(c)/pyproject.toml) requirements-dev.txt
 	$(BIN)/python -m pip install -q --no-deps nixl==1.5.2
 	@touch $@
 
+# The hash-parity tests' second venv (protocol/tests/vllm_venv.py): lmcache 0.5.6 with the real
+# vLLM 0.33.0 on CPU, kept out of .venv. tools/run_tests.py builds it before protocol's tests.
+.PHONY: vllm-venv
+vllm-venv: install ## Build .kvpool/vllm-venv (lmcache + the real vLLM, CPU) for protocol's parity tests, once (~6 min, 2.8 GB)
+	$(BIN)/python protocol/tests/vllm_venv.py
+
 ##@ Demo
 .PHONY: demo
 demo: install ## Run examples/cpu-demo.yaml locally (kvpool-operator up) and replay an agent workload through it
@@ -56,7 +62,7 @@ fmt: install ## Format and auto-fix with ruff
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: install ## Run every component's tests (each in its own pytest process)
+test: install ## Run every component's tests (each in its own pytest process; builds .kvpool/vllm-venv first)
 	$(BIN)/python tools/run_tests.py
 
 test-%: install ## Run one component's tests, e.g. make test-controller
@@ -98,5 +104,5 @@ bench-%: install ## Run one component's benchmark, e.g. make bench-controller QU
 ##@ Housekeeping
 .PHONY: clean
 clean: ## Remove the virtualenv, caches and benchmark results
-	rm -rf $(VENV) bench-results .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .kvpool/vllm-venv bench-results .mypy_cache .ruff_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -17,6 +17,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_TESTS_COLLECTED = 5
+#: Builds .kvpool/vllm-venv (idempotent; minutes the first time), where protocol's hash-parity
+#: oracles run lmcache next to the real vLLM.
+VLLM_VENV = ROOT / "protocol" / "tests" / "vllm_venv.py"
+
+
+def _build_vllm_venv() -> None:
+    """Before protocol's tests. A failed build (no network) does not stop the run: the vLLM-regime
+    parity tests then fail, each saying what to run."""
+    print("==> [protocol] vLLM venv for the hash-parity tests", flush=True)
+    t0 = time.monotonic()
+    rc = subprocess.call([sys.executable, str(VLLM_VENV)], cwd=ROOT)
+    state = "ready" if rc == 0 else f"NOT built (rc={rc}), its tests will fail"
+    print(f"==> [protocol] vLLM venv {state} in {time.monotonic() - t0:.0f}s", flush=True)
 
 
 def _counts(junit: Path) -> tuple[int, int, int]:
@@ -45,6 +58,8 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for comp in components:
             junit = Path(tmp) / f"{comp}.xml"
+            if comp == "protocol":
+                _build_vllm_venv()
             print(f"==> [{comp}] pytest", flush=True)
             t0 = time.monotonic()
             rc = subprocess.call(
