@@ -39,7 +39,11 @@ def test_no_p2p_key_port_or_host_env_is_rendered() -> None:
     assert not set(cfg) & P2P_KEYS
     assert not any(k.startswith(("p2p_", "nixl")) for k in cfg)
     assert cfg["enable_controller"] is True and cfg["lmcache_worker_ports"] == [20001, 20002]
-    assert cfg["extra_config"] == {"worker_socket_recv_timeout_ms": 3000}
+    assert cfg["extra_config"] == {
+        "worker_socket_recv_timeout_ms": 3000,
+        "full_sync_startup_delay_s": 0.5,  # derive.lmcache_config.FULL_SYNC_TIMING
+        "full_sync_status_poll_interval_s": 0.5,
+    }
     container = _container(render(pool(), group), "grp-0")
     assert [p["name"] for p in container["ports"]] == ["http", "wrk-0", "wrk-1"]
     assert "LMCACHE_P2P_HOST" not in {e["name"] for e in container["env"]}
