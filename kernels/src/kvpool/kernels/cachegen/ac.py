@@ -187,29 +187,38 @@ def _decode(
                 count = ((((value - low) & _M32) + 1) * 0x10000 - 1) // span
                 s = 0
                 step = top
-                while step > 0:  # branch-free binary search: largest s with row[s] <= count
-                    if row[s + step] <= count:
-                        s += step
+                while step > 0:  # largest s with row[s] <= count, no branch
+                    s += step & -int(row[s + step] <= count)
                     step >>= 1
                 out[gl, t, gc] = s
                 if t == t1 - 1:
                     break
                 high = (low + ((span * row[s + 1]) >> 16) - 1) & _M32
                 low = (low + ((span * row[s]) >> 16)) & _M32
-                x = low ^ high
-                if x < _HALF:
-                    nb = _clz32(x)
-                    v, p, buf, nbuf = _get(payload, p, end, buf, nbuf, nb)
-                    low = (low << nb) & _M32
-                    high = ((high << nb) | ((1 << nb) - 1)) & _M32
-                    value = ((value << nb) | v) & _M32
-                m = _clz32(~((low & ~high) << 1) & _M32)
-                if m > 0:
-                    fm = ((1 << m) - 1) << (31 - m)
-                    v, p, buf, nbuf = _get(payload, p, end, buf, nbuf, m)
-                    low = ((low ^ fm) << m) & _M32
-                    high = (((high ^ fm) << m) | ((1 << m) - 1)) & _M32
-                    value = (((value ^ fm) << m) | v) & _M32
+                # E1/E2 (nb bits) then E3 (m bits) without branches: a shift by 0 changes
+                # nothing. The interval keeps span >= 2^30 after renormalisation and every
+                # symbol has a CDF width >= 1, so nb + m <= 18 on any valid stream; the clamp
+                # only bounds the bit buffer on a corrupt one (whose output means nothing).
+                nb = _clz32(low ^ high)
+                m = _clz32(~(((low << nb) & ~((high << nb) | ((1 << nb) - 1))) << 1) & _M32)
+                m = min(m, 48 - nb)
+                n = nb + m
+                if nbuf < n:
+                    while nbuf <= 56 - 8:
+                        b = int(payload[p]) if p < end else 0
+                        p += 1
+                        buf = (buf << 8) | b
+                        nbuf += 8
+                nbuf -= n
+                v = buf >> nbuf
+                buf &= (1 << nbuf) - 1
+                fm = ((1 << m) - 1) << (31 - m)
+                ones = (1 << m) - 1
+                low = ((((low << nb) & _M32) ^ fm) << m) & _M32
+                high = ((high << nb) | ((1 << nb) - 1)) & _M32
+                high = (((high ^ fm) << m) | ones) & _M32
+                value = ((value << nb) | (v >> m)) & _M32
+                value = (((value ^ fm) << m) | (v & ones)) & _M32
 
 
 def as_streams(sym: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
