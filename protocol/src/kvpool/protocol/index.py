@@ -229,7 +229,8 @@ class ChunkIndex:
         self._detach(record)
         self._dead |= record.bit
         self._graves.append(record)
-        self._memo.clear()
+        # memos stay valid: scans mask the dead bit out, so no mask holding it is decoded
+        # until the slot id is reused, and _free clears them then
         return removed
 
     def sweep(self, budget: int | None = None) -> int:
