@@ -27,15 +27,16 @@ How (``measure_scale(quick, logdir)``; ``python gateway/bench/fleet/scale.py [--
    processes register the instances (``RegisterMsg``, ids ``name~fingerprint``) and push the
    recorded batches (``paced``: on their model times, i.e. the trace's pace compressed
    ``time_scale`` times; ``flat``: as fast as the sockets take them), each ending with a
-   sentinel; a lookup process issues P2P lookups and ``/v1/prefix_lookup`` calls at
-   ``lookup_rate`` per second and records their latency. Afterwards the controller's snapshot and
-   the replica must both equal the union of the engines' tiers.
+   sentinel; a lookup process issues P2P lookups (``p2p_rate`` per second) and
+   ``/v1/prefix_lookup`` calls (``prefix_rate``) and records their latency. Afterwards the
+   controller's snapshot and the replica must both equal the union of the engines' tiers.
 3. **Memory.** The controller's final index, copied (keys renamed per copy, each instance
    holding its own copies, so sharing between instances and tiers keeps the fleet's shape) to
-   ``memory_locations`` chunk-locations, built into a ``ChunkIndex`` in a fresh process
-   (RSS growth, and ``tracemalloc`` in another fresh process), snapshotted and encoded as the
-   controller does, then decoded and loaded into an ``IndexReplica`` in a fresh process (RSS
-   growth after the decoded snapshot is dropped; and tracemalloc).
+   ``memory_locations`` chunk-locations, built into a ``ChunkIndex`` in a fresh process (RSS
+   growth), snapshotted and encoded as the controller does, then decoded and loaded into an
+   ``IndexReplica`` in another fresh process (RSS growth once the decoded snapshot is dropped:
+   what the gateway's process keeps). The same again with ``tracemalloc`` (live Python
+   allocations, no allocator slack) on ``tracemalloc_locations``, tracing being slow.
 4. **Routing.** In process: the gateway's own state (``build_state`` over 1000 instances), its
    ``IndexClient`` in sync with a replica loaded from the controller's final snapshot; each trace
    prompt (its chunk keys) goes through ``IndexClient.prefix_hits``, ``Selector.decide`` and
@@ -58,13 +59,17 @@ Metrics (``measure_scale`` returns them; ``markdown`` renders them):
 | ``controller_msgs_per_s`` | flat out: ``BatchedKVOperationMsg`` per second, same window |
 | ``controller_events_per_s_paced`` | paced: the offered rate (events ÷ replay time) |
 | ``controller_paced_late_s`` | paced: how far the senders fell behind their schedule |
+| ``controller_paced_drain_s`` | paced: last frame sent → every sentinel applied (the |
+| | controller's lag at the end) |
 | ``controller_lookup_p50_ms``, ``..._p99_ms`` | paced: every lookup, both kinds pooled |
 | ``controller_p2p_lookup_p99_ms`` | paced: P2P lookups (``BatchedP2PLookupMsg``) |
 | ``controller_prefix_lookup_p99_ms`` | paced: ``POST /v1/prefix_lookup`` |
 | ``controller_lookup_p99_ms_flat`` | flat out: both kinds pooled |
 | ``controller_p2p_lookup_inside_ms`` | paced: mean time inside the controller (its histogram) |
 | ``controller_prefix_lookup_inside_ms`` | the same for prefix lookups (before the JSON response) |
-| ``controller_events_per_cpu_s`` | flat out: events ÷ the controller's CPU seconds |
+| ``controller_events_per_cpu_s`` | flat out: events ÷ the controller's CPU seconds (the |
+| | lookups it answered meanwhile included) |
+| ``controller_lookup_cpu_s_flat`` | flat out: seconds the controller spent inside lookups |
 | ``controller_lookups_per_s`` | paced: lookups answered per second |
 | ``controller_lookup_errors`` | lookups not answered (both runs) |
 | ``controller_cpu_s``, ``..._flat`` | controller CPU s (user+system), start to last sentinel |
@@ -151,6 +156,7 @@ LMCACHE_BATCH = 50  # kv_msg_batch_size
 LMCACHE_BATCH_TIMEOUT_S = 0.01  # kv_msg_batch_timeout
 OPS = {"admit": w.OpType.ADMIT, "evict": w.OpType.EVICT}
 TEN_M = 10_000_000
+PROFILE_DECISIONS = 2000
 
 
 def log(msg: str) -> None:
@@ -172,10 +178,12 @@ class ScaleParams:
     disk_gib: float = 32.0  # LMCache local disk per instance (every stored chunk goes there too)
     senders: int = 3
     replay_speedup: float = 1.0  # the paced replay runs this much faster than model time
-    lookup_rate: float = 200.0  # lookups per second, both kinds together
+    p2p_rate: float = 100.0  # P2P lookups per second (workers ask one per local miss)
+    prefix_rate: float = 20.0  # /v1/prefix_lookup per second (a gateway out of sync asks)
     lookup_prompts: int = 2000
     memory_locations: int = TEN_M
     tracemalloc: bool = True
+    tracemalloc_locations: int = 2_000_000  # tracing every allocation is slow: a smaller index
     route_requests: int | None = None  # None: every simulated request
     modes: tuple[str, ...] = ("paced", "flat")
     sim_budget_s: float = 900.0
@@ -632,7 +640,8 @@ def replay(
             f"lookup-{mode}",
             worker_cmd(
                 "lookup", "--spec", lookup_spec, "--reply", ctl.ports["reply"],
-                "--http", ctl.http, "--rate", p.lookup_rate, "--stop-file", stop,
+                "--http", ctl.http, "--p2p-rate", p.p2p_rate, "--prefix-rate", p.prefix_rate,
+                "--stop-file", stop,
                 "--out", lookup_out,
             ),
             stdin=True,
@@ -670,10 +679,14 @@ def replay(
         ctl_diff = differences(got, rec.expected) + odd
         rep, rodd = _as_sets(msgspec.msgpack.decode(dump.read_bytes()))
         rep_diff = differences(rep, rec.expected) + rodd
-        inside = {
+        inside_s = {
             kind: ctl.metric_sum("kvpool_controller_lookup_seconds_sum", f'kind="{kind}"')
-            / max(1.0, ctl.metric_sum("kvpool_controller_lookup_seconds_count", f'kind="{kind}"'))
             for kind in ("p2p", "prefix")
+        }
+        inside = {
+            kind: total
+            / max(1.0, ctl.metric_sum("kvpool_controller_lookup_seconds_count", f'kind="{kind}"'))
+            for kind, total in inside_s.items()
         }
         bad = ctl.metric_sum("kvpool_controller_bad_input_total")
         msgs = ctl.metric_sum("kvpool_controller_messages_total", 'type="BatchedKVOperationMsg"')
@@ -696,6 +709,7 @@ def replay(
             "msgs_per_s": sum(s["messages"] for s in sent) / wall,
             "wall_s": wall,
             "late_s": max(s["max_late_s"] for s in sent),
+            "drain_s": max(s["t_done"] for s in sent) - max(s["t_sent"] for s in sent),
             "lookup_p50_ms": _pct(both, 0.5) * 1e3,
             "lookup_p99_ms": _pct(both, 0.99) * 1e3,
             "p2p_lookup_p50_ms": _pct(lat["p2p"], 0.5) * 1e3,
@@ -709,6 +723,7 @@ def replay(
             "lookup_errors": float(sum(looked["errors"].values())),
             "lookups_found": float(sum(looked["found"].values())),
             "cpu_s": cpu1 - cpu0,
+            "lookup_inside_s": sum(inside_s.values()),
             "rss_mb": rss / 1e6,
             "peak_rss_mb": ctl.peak_rss / 1e6,
             "chunk_locations": float(sum(map(len, got.values()))),
@@ -720,7 +735,7 @@ def replay(
 
 _REPLAY_SHOWN = (
     "events_sent", "events_applied", "lost", "bad_input", "events_per_s", "wall_s", "late_s",
-    "lookup_p50_ms", "lookup_p99_ms", "cpu_s", "rss_mb",
+    "drain_s", "lookup_p50_ms", "lookup_p99_ms", "cpu_s", "lookup_inside_s", "rss_mb",
 )  # fmt: skip
 
 
@@ -736,14 +751,14 @@ def memory(state: Path, params: ScaleParams, logdir: Path, workdir: Path) -> dic
     modes = ["rss", "tracemalloc"] if params.tracemalloc else ["rss"]
     with Processes(logdir) as procs:
         for mode in modes:
-            log(f"memory ({mode}): ChunkIndex of {target:,} chunk-locations in a fresh process")
+            size = target if mode == "rss" else min(target, params.tracemalloc_locations)
+            log(f"memory ({mode}): ChunkIndex of {size:,} chunk-locations in a fresh process")
             res_i = workdir / f"memory-index-{mode}.json"
-            extra = ["--snapshot-out", scaled] if mode == "rss" else []
             proc = procs.start(
                 f"memory-index-{mode}",
                 worker_cmd(
-                    "memory-index", "--mode", mode, "--state", state, "--target", target,
-                    "--out", res_i, *extra,
+                    "memory-index", "--mode", mode, "--state", state, "--target", size,
+                    "--out", res_i, "--snapshot-out", scaled,
                 ),
             )  # fmt: skip
             wait_exit(proc, max(1.0, deadline - time.monotonic()), f"memory-index ({mode})")
@@ -872,7 +887,9 @@ async def _route(
         text = ""
         if prof is not None:
             buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
+            stats = pstats.Stats(prof, stream=buf)
+            stats.sort_stats("tottime").print_stats(12)
+            stats.sort_stats("cumulative").print_stats(12)
             text = buf.getvalue()
         return times, text
     finally:
@@ -902,11 +919,18 @@ def route(
     }
     log("  " + ", ".join(f"{k} {v:.4g}" for k, v in out.items()))
     if out["route_p99_ms_1000"] > 1.0:
-        _, text = asyncio.run(_route(rec, snapshot, count, deadline, profile=True))
+        # best effort, on the first decisions only: the measurement above is what counts
+        n = min(count or len(rec.requests), PROFILE_DECISIONS)
+        try:
+            _, text = asyncio.run(_route(rec, snapshot, n, time.monotonic() + 120, profile=True))
+        except PhaseTimeoutError as exc:
+            log(f"  no profile: {exc}")
+            return out
         (logdir / "route-profile.txt").write_text(text)
-        log("  over 1 ms at p99; where the time goes (cProfile, by own time):")
-        for line in text.splitlines()[:30]:
-            log(f"    {line}")
+        log(f"  over 1 ms at p99; where the time goes (cProfile of {n} decisions):")
+        for line in text.splitlines():
+            if line.strip():
+                log(f"    {line}")
     return out
 
 
@@ -945,6 +969,7 @@ def measure_controller(
     m["controller_events_per_s_paced"] = paced["events_per_s"]
     m["controller_paced_wall_s"] = paced["wall_s"]
     m["controller_paced_late_s"] = paced["late_s"]
+    m["controller_paced_drain_s"] = paced["drain_s"]
     for k in ("p50", "p99"):
         m[f"controller_lookup_{k}_ms"] = paced[f"lookup_{k}_ms"]
         m[f"controller_p2p_lookup_{k}_ms"] = paced[f"p2p_lookup_{k}_ms"]
@@ -956,6 +981,7 @@ def measure_controller(
     m["controller_lookup_errors"] = sum(r["lookup_errors"] for r in every)
     m["controller_cpu_s"] = paced["cpu_s"]
     m["controller_cpu_s_flat"] = flat["cpu_s"]
+    m["controller_lookup_cpu_s_flat"] = flat["lookup_inside_s"]
     m["controller_rss_mb"] = paced["rss_mb"]
     m["controller_peak_rss_mb"] = max(r["peak_rss_mb"] for r in every)
     m["controller_chunk_locations"] = first["chunk_locations"]
@@ -1004,6 +1030,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("controller_bad_input", "controller bad input (seq gaps, stale, unknown)", "{:,.0f}"),
     ("controller_events_per_s_paced", "paced: events/s offered", "{:,.0f}"),
     ("controller_paced_late_s", "paced: senders behind schedule at worst (s)", "{:.3f}"),
+    ("controller_paced_drain_s", "paced: controller behind at the end (s)", "{:.3f}"),
     ("controller_lookup_p50_ms", "paced: lookup p50 (ms, P2P + HTTP)", "{:.2f}"),
     ("controller_lookup_p99_ms", "paced: lookup p99 (ms, P2P + HTTP)", "{:.2f}"),
     ("controller_p2p_lookup_p99_ms", "paced: P2P lookup p99 (ms)", "{:.2f}"),
@@ -1024,6 +1051,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("controller_events_per_cpu_s", "flat out: events per controller CPU second", "{:,.0f}"),
     ("controller_lookup_p99_ms_flat", "flat out: lookup p99 (ms)", "{:.2f}"),
     ("controller_cpu_s_flat", "flat out: controller CPU (s)", "{:.1f}"),
+    ("controller_lookup_cpu_s_flat", "flat out: of which inside lookups (s)", "{:.1f}"),
     ("controller_rss_mb", "controller RSS at the end (MB)", "{:.0f}"),
     ("controller_chunk_locations", "chunk-locations at the end", "{:,.0f}"),
     ("controller_instances_with_keys", "instances holding chunks at the end", "{:,.0f}"),

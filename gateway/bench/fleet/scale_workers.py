@@ -17,8 +17,9 @@ Roles (``python scale_workers.py ROLE ...``; each writes its result as JSON to `
   The sentinel is then evicted (the next number) and the sender waits until it is gone, so the
   index ends exactly as the instances' tiers.
 - ``lookup``: P2P lookups (``BatchedP2PLookupMsg`` on a DEALER, as a worker asks) and
-  ``POST /v1/prefix_lookup`` (as a gateway whose replica is out of sync asks), alternating, at a
-  fixed rate, over trace prompts' chunk keys, until a stop file appears; every latency recorded.
+  ``POST /v1/prefix_lookup`` (as a gateway whose replica is out of sync asks), each kind at its
+  own fixed rate, over trace prompts' chunk keys, until a stop file appears; every latency
+  recorded (until the answer is received, before it is looked at).
 - ``replica``: the gateway's own :class:`~kvpool.gateway.index_client.IndexClient` following
   the controller's delta stream (snapshot first, then deltas). It counts the admit and evict
   events the controller applied (the keys of its ADMIT/EVICT deltas, sentinels excluded), and at
@@ -184,35 +185,37 @@ def lookup(args: argparse.Namespace) -> None:
     lat: dict[str, list[float]] = {"p2p": [], "http": []}
     errors = {"p2p": 0, "http": 0}
     hits = {"p2p": 0, "http": 0}
-    period = 1.0 / args.rate
+    # each kind on its own fixed schedule; one that fell behind does not burst to catch up
+    period = {"p2p": 1.0 / args.p2p_rate, "http": 1.0 / args.prefix_rate}
+    due = dict.fromkeys(period, time.perf_counter())
     n = 0
-    next_at = time.perf_counter()
     while not stop.exists():
+        kind = min(due, key=lambda k: due[k])
+        pause = due[kind] - time.perf_counter()
+        if pause > 0:
+            time.sleep(min(pause, 0.05))
+            continue
         hashes = prompts[n % len(prompts)]
-        kind = "p2p" if n % 2 == 0 else "http"
         n += 1
         t = time.perf_counter()
         try:
             if kind == "p2p":
                 who = rng.choice(requesters)
                 reply = _request(req, w.encode(w.BatchedP2PLookupMsg(hashes, who, 0)))
+                lat[kind].append(time.perf_counter() - t)
                 ok = isinstance(reply, w.BatchedP2PLookupRetMsg)
                 found = ok and bool(_holder(reply))
             else:
                 resp = http.post("/v1/prefix_lookup", json={"hashes": hashes})
+                lat[kind].append(time.perf_counter() - t)
                 ok = resp.status_code == 200
                 found = ok and bool(resp.json().get("instances"))
         except (zmq.ZMQError, httpx.HTTPError, w.ProtocolError):
+            lat[kind].append(time.perf_counter() - t)
             ok = found = False
-        lat[kind].append(time.perf_counter() - t)
         errors[kind] += 0 if ok else 1
         hits[kind] += 1 if found else 0
-        next_at += period
-        pause = next_at - time.perf_counter()
-        if pause > 0:
-            time.sleep(pause)
-        else:
-            next_at = time.perf_counter()  # behind: do not burst to catch up
+        due[kind] = max(due[kind] + period[kind], time.perf_counter())
     ctx.destroy(linger=0)
     http.close()
     _write(
@@ -372,6 +375,8 @@ def memory_index(args: argparse.Namespace) -> None:
             index.admit(inst, 0, loc, keys[i : i + step].tolist())
     build_s = time.perf_counter() - t
     grown = _measure_now(args.mode) - before
+    if args.mode == "tracemalloc":
+        tracemalloc.stop()  # the snapshot below is for the replica's process, not measured here
     result: dict[str, Any] = {
         "mode": args.mode,
         "chunk_locations": len(index),
@@ -450,7 +455,8 @@ def main() -> None:
     lk.add_argument("--spec", required=True)
     lk.add_argument("--reply", type=int, required=True)
     lk.add_argument("--http", type=int, required=True)
-    lk.add_argument("--rate", type=float, required=True, help="lookups per second (both kinds)")
+    lk.add_argument("--p2p-rate", type=float, required=True, help="P2P lookups per second")
+    lk.add_argument("--prefix-rate", type=float, required=True, help="prefix lookups per second")
     lk.add_argument("--stop-file", required=True)
     lk.add_argument("--out", required=True)
     r = sub.add_parser("replica")
