@@ -57,7 +57,9 @@ def test_decode_after_the_transfer_equals_a_single_instance(stack: Any) -> None:
         }  # fmt: skip
         assert httpx.get(f"{prefill}/pd/info").json()["proxy_port"] == proxy_port
         # A single instance, for reference: the decoder without a transfer prefills itself.
-        for n in (600, 90):  # two full chunks + a partial one; shorter than one chunk
+        # two full chunks + a partial one; shorter than one chunk; 7 full chunks + a partial
+        # one, which the sender stores in 3 groups (pd.store_groups) with one ProxyNotif
+        for n in (600, 90, 2000):
             prompt = tokens(n, seed=n)
             single = complete(decode, prompt, 10)
             req_id = uuid.uuid4().hex

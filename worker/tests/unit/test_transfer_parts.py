@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvpool.worker.engine.blocks import BlockManager
+from kvpool.worker.engine.offload import pd
 from kvpool.worker.engine.offload.async_lookup import AsyncLookups
 from kvpool.worker.engine.scheduler import Scheduler, Sequence
 from kvpool.worker.engine_api import GenerationRequest
@@ -130,6 +131,19 @@ def test_kv_transfer_params_become_the_hand_over() -> None:
     single = parse_kv_transfer({"disagg_spec": {**SPEC, "receiver_init_port": 7001,
                                                 "receiver_alloc_port": 7101}}, SENDER)  # fmt: skip
     assert single is not None and single.receiver_alloc_port == (7101,)
+
+
+def test_a_pd_store_goes_in_groups_of_whole_chunks_with_one_last_spec() -> None:
+    mib = 2**20
+    assert pd.store_groups(2000, 256, mib) == [(0, 1024), (1024, 2000)]  # 4 chunks of 1 MiB
+    assert pd.store_groups(512, 256, 19 * mib) == [(0, 256), (256, 512)]  # a chunk at least
+    assert pd.store_groups(90, 256, mib) == [(0, 90)]
+    assert pd.store_groups(0, 256, mib) == []
+    params = parse_kv_transfer({"disagg_spec": SPEC}, SENDER)
+    assert params is not None
+    first, last = pd.transfer_spec(params, 8, last=False), pd.transfer_spec(params, 8)
+    assert (first.is_last_prefill, last.is_last_prefill) == (False, True)
+    assert first.total_chunks == last.total_chunks == 8 and first.req_id == "r1"
 
 
 @pytest.mark.parametrize(

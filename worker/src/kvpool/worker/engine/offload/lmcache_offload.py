@@ -137,6 +137,8 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
         self._payload_bytes_per_token = (
             2 * num_layers * num_kv_heads * head_dim * self.connector.dtype.itemsize
         )
+        # bytes LMCache holds per full chunk: payload and guard (the PD store's group size)
+        self._chunk_bytes = self.connector.get_shape(self.chunk_size).numel() * self.dtype.itemsize
         self._lock = threading.RLock()
         self._pinned: dict[CacheEngineKey, list[str]] = {}
         self._unconfirmed_remote: list[CacheEngineKey] = []  # stored, not yet seen remotely
@@ -253,11 +255,11 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
         with self._lock:
             storable = n if self.config.save_unfull_chunk else n - n % self.chunk_size
             extra: dict[str, Any] = {TOKENS_KW: tokens}
+            groups = [(0, n)]
             if kv_transfer is not None:
                 done = 0  # the receiver has nothing yet: send the whole prompt
-                num_chunks = -(-storable // self.chunk_size)
-                extra["transfer_spec"] = pd.transfer_spec(kv_transfer, num_chunks)
                 extra["req_id"] = kv_transfer.req_id
+                groups = pd.store_groups(storable, self.chunk_size, self._chunk_bytes)
             else:
                 done = int(self.engine.lookup(tokens))
                 done -= done % self.chunk_size
@@ -273,15 +275,21 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
                     storable - done,
                 )
                 return
-            mask = torch.ones(n, dtype=torch.bool)
-            mask[:done] = False
-            self.engine.store(
-                tokens,
-                mask=mask,
-                kvcaches=list(kv_caches),
-                slot_mapping=slot_mapping[:n].to(torch.long),
-                **extra,
-            )
+            slots = slot_mapping[:n].to(torch.long)
+            for start, end in groups:  # a PD prompt in groups (pd.store_groups), else one
+                if kv_transfer is not None:
+                    extra["transfer_spec"] = pd.transfer_spec(
+                        kv_transfer, -(-storable // self.chunk_size), last=end == groups[-1][1]
+                    )
+                mask = torch.ones(end, dtype=torch.bool)
+                mask[: max(start, done)] = False
+                self.engine.store(
+                    tokens[:end],
+                    mask=mask,
+                    kvcaches=list(kv_caches),
+                    slot_mapping=slots[:end],
+                    **extra,
+                )
             if kv_transfer is not None:
                 self._count("pd_sent_bytes", (storable - done) * self._payload_bytes_per_token)
                 self._count("pd_sent_requests")

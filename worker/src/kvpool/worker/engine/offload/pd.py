@@ -42,14 +42,34 @@ class TransferSpec:
     receiver_query_port: list[int] | None = None
 
 
-def transfer_spec(params: KVTransferParams, num_chunks: int) -> TransferSpec:
-    """The spec of one whole prefill (the reference engine prefills a prompt in one step)."""
+# A PD sender stores a prompt in groups of whole chunks of about this many bytes, each its own
+# LMCache store with the request's transfer_spec: LMCache writes a group to the receiver (NIXL,
+# on its sender loop) while the next group is gathered and sealed here, instead of gathering
+# the whole prompt before the first byte moves. The receiver reserves the request's
+# total_chunks on the first group and LMCache sends ProxyNotif once, after the last group.
+PD_GROUP_BYTES = 4 * 2**20
+
+
+def store_groups(
+    storable: int, chunk_size: int, chunk_bytes: int, group_bytes: int = PD_GROUP_BYTES
+) -> list[tuple[int, int]]:
+    """Token ranges ``[start, end)`` of the groups of a PD store of ``storable`` tokens:
+    whole chunks, about ``group_bytes`` each (at least one chunk), the last ending at
+    ``storable``."""
+    step = max(1, group_bytes // max(chunk_bytes, 1)) * chunk_size
+    return [(start, min(start + step, storable)) for start in range(0, storable, step)]
+
+
+def transfer_spec(params: KVTransferParams, num_chunks: int, *, last: bool = True) -> TransferSpec:
+    """The spec of one store of a prefill of ``num_chunks`` chunks in all; ``last`` on the
+    store that completes it (LMCache notifies the proxy after that one)."""
     return TransferSpec(
         req_id=params.req_id,
         receiver_id=params.receiver_host + str(list(params.receiver_init_port)),
         receiver_host=params.receiver_host,
         receiver_init_port=list(params.receiver_init_port),
         receiver_alloc_port=list(params.receiver_alloc_port),
+        is_last_prefill=last,
         total_chunks=num_chunks,
     )
 
