@@ -41,7 +41,7 @@ $(STAMP): $(foreach c,$(COMPONENTS),$(c)/pyproject.toml) requirements-dev.txt
 # The hash-parity tests' second venv (protocol/tests/vllm_venv.py): lmcache 0.5.6 with the real
 # vLLM 0.33.0 on CPU, kept out of .venv. tools/run_tests.py builds it before protocol's tests.
 .PHONY: vllm-venv
-vllm-venv: install ## Build .kvpool/vllm-venv (lmcache + the real vLLM, CPU) for protocol's parity tests, once (~6 min, 2.8 GB)
+vllm-venv: install ## Build .kvpool/vllm-venv (the real vLLM over the project .venv's lmcache and torch) for protocol's parity tests, once (~2 min, 0.9 GB)
 	$(BIN)/python protocol/tests/vllm_venv.py
 
 ##@ Demo

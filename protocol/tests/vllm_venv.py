@@ -4,13 +4,14 @@ With vLLM importable in the engine, lmcache 0.5.6 takes vLLM's hash functions an
 ``init_none_hash`` seed the chain from ``PYTHONHASHSEED`` (protocol/README.md, "Hashing regimes").
 tests/unit/test_hashing_parity.py checks kvpool.protocol against exactly that, so it needs vLLM,
 and vLLM must not enter the project's .venv (the reference engine runs without it). Hence
-``.kvpool/vllm-venv`` (gitignored): torch 2.13.0 (the CPU build), lmcache 0.5.6 with its
-dependencies resolved by pip against that torch (as the project's .venv installs them), then the
-vLLM 0.33.0 wheel and the few packages that ``vllm.v1.core.kv_cache_utils`` and
-``vllm.utils.hashing`` import, each without dependencies (vLLM's own would pull torch 2.14 and a
-CUDA stack). The venv is built once: a stamp holds a digest of what is listed here, and a
-changed list, a missing stamp or a half-built venv means a fresh build. A cold build (the vLLM
-wheel alone is 336 MB) takes about 6 minutes on a 2-core box and leaves 2.8 GB on disk.
+``.kvpool/vllm-venv`` (gitignored): the vLLM 0.33.0 wheel and the few packages that
+``vllm.v1.core.kv_cache_utils`` and ``vllm.utils.hashing`` import, each without dependencies
+(vLLM's own would pull torch 2.14 and a CUDA stack), on top of the project .venv's packages
+(torch 2.13.0 CPU, lmcache 0.5.6 and what lmcache needs), which a ``.pth`` file puts after the
+venv's own on ``sys.path``: the same torch and lmcache as the reference engine, not a second
+2.5 GB copy of them. The venv is built once: a stamp holds a digest of what is listed here, and
+a changed list, a missing stamp or a half-built venv means a fresh build (about a minute, most
+of it the 336 MB vLLM wheel).
 
     python3 protocol/tests/vllm_venv.py           # build if needed (what `make vllm-venv` runs)
     python3 protocol/tests/vllm_venv.py --check   # exit 1, saying why, if it is not built
@@ -39,9 +40,16 @@ LOCK = ROOT / ".kvpool" / "vllm-venv.lock"
 #: What a person (or a failing test) runs to build it.
 COMMAND = "make vllm-venv"
 
-TORCH = "torch==2.13.0"  # pip takes the CPU wheel (torch 2.13.0+cpu) on these machines
-LMCACHE = "lmcache==0.5.6"
+#: The project's own site-packages (torch 2.13.0 CPU, lmcache 0.5.6): after the venv's own.
+PROJECT_SITE = (
+    ROOT
+    / ".venv"
+    / "lib"
+    / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    / ("site-packages")
+)
 VLLM = "vllm==0.33.0"
+LMCACHE = "lmcache==0.5.6"  # what the project .venv pins (worker/pyproject.toml): checked below
 #: Installed with --no-deps next to vLLM: what importing vllm.v1.core.kv_cache_utils and
 #: vllm.utils.hashing needs beyond lmcache's dependencies, at the version vLLM 0.33.0 pins where
 #: it pins one (xgrammar, apache-tvm-ffi, llguidance), else the release current when this was
@@ -68,6 +76,7 @@ assert torch.version.cuda is None, f"torch {torch.__version__} is a CUDA build"
 cuda = sorted(d.metadata["Name"] for d in md.distributions()
               if d.metadata["Name"].lower().startswith(("nvidia-", "triton")))
 assert not cuda, f"CUDA packages in the venv: {cuda}"
+assert md.version("lmcache") == LMCACHE_VERSION, md.version("lmcache")
 import lmcache.v1.token_database, vllm.utils.hashing, vllm.v1.core.kv_cache_utils
 assert hasattr(vllm.v1.core.kv_cache_utils, "init_none_hash")
 print(json.dumps({n: md.version(n) for n in ("torch", "lmcache", "vllm")}))
@@ -76,19 +85,19 @@ print(json.dumps({n: md.version(n) for n in ("torch", "lmcache", "vllm")}))
 
 def spec_digest() -> str:
     """What the venv is built from; a stamp with another digest means a rebuild."""
-    spec = [sys.version_info[:2], TORCH, LMCACHE, VLLM, *VLLM_IMPORT_DEPS]
+    spec = [sys.version_info[:2], str(PROJECT_SITE), VLLM, *VLLM_IMPORT_DEPS]
     return hashlib.sha256(json.dumps(spec).encode()).hexdigest()
 
 
 def problem() -> str | None:
     """None when the venv is built from the current list, else why not and what to run."""
     if not PYTHON.exists():
-        return f"{VENV} does not exist: run `{COMMAND}` (a cold build takes ~6 minutes)"
+        return f"{VENV} does not exist: run `{COMMAND}` (a cold build takes about a minute)"
     stamp = STAMP.read_text().strip() if STAMP.exists() else ""
     if stamp != spec_digest():
         return (
             f"{VENV} is half-built or from another package list: run `{COMMAND}` "
-            "(it rebuilds it, ~6 minutes)"
+            "(it rebuilds it, about a minute)"
         )
     return None
 
@@ -103,15 +112,18 @@ def build() -> None:
     """Build the venv from scratch (a partial one is removed first); the stamp goes last."""
     t0 = time.monotonic()
     print(f"kvpool: building {VENV} (lmcache 0.5.6 with the real vLLM 0.33.0, CPU)", flush=True)
+    if not (PROJECT_SITE / "lmcache").is_dir():
+        raise subprocess.CalledProcessError(
+            1, "vllm_venv", stderr=f"{PROJECT_SITE} has no lmcache: run `make install` first"
+        )
     shutil.rmtree(VENV, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-    _pip("--upgrade", "pip")
-    # torch on the same command line: pip resolves lmcache's dependencies against the CPU build
-    # and never swaps it for another (a CUDA) torch.
-    _pip(TORCH, LMCACHE)
+    site = VENV / "lib" / PROJECT_SITE.parent.name / "site-packages"
+    (site / "zz-kvpool-project.pth").write_text(f"{PROJECT_SITE}\n")
     _pip("--no-deps", VLLM, *VLLM_IMPORT_DEPS)
+    verify = _VERIFY.replace("LMCACHE_VERSION", repr(LMCACHE.partition("==")[2]))
     versions = subprocess.run(
-        [str(PYTHON), "-c", _VERIFY],
+        [str(PYTHON), "-c", verify],
         check=True,
         capture_output=True,
         text=True,
