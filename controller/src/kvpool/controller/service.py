@@ -277,20 +277,19 @@ class ControllerService:
         last = seq.get(location)
         first, n = operations[0].seq_num, len(operations)
         if (last is None or first > last) and operations[-1].seq_num == first + n - 1:
-            # The common case (one sender, consecutive numbers, one kind): no per-event checks.
-            kinds = [ev.op_type for ev in operations]
-            for op in (p.OpType.ADMIT, p.OpType.EVICT):
-                if kinds.count(op) == n:
-                    seq[location] = first + n - 1
-                    self._apply_run(
-                        instance_id, worker_id, location, op, [ev.key for ev in operations]
+            # The common case (one sender, consecutive numbers, one kind): no per-event checks,
+            # and one pass collects the keys while it checks the kind.
+            op = operations[0].op_type
+            keys = [ev.key for ev in operations if ev.op_type is op]
+            if len(keys) == n:
+                seq[location] = first + n - 1
+                self._apply_run(instance_id, worker_id, location, op, keys)
+                if last is not None and first != last + 1:
+                    self.bad(
+                        "seq_gap",
+                        f"sequence gap in events of {instance_id}/{worker_id}/{location}",
                     )
-                    if last is not None and first != last + 1:
-                        self.bad(
-                            "seq_gap",
-                            f"sequence gap in events of {instance_id}/{worker_id}/{location}",
-                        )
-                    return
+                return
         gap = stale = 0
         run_op: p.OpType | None = None
         run: list[int] = []
