@@ -57,6 +57,7 @@ class Script:
 
     name: str
     ready: bool = True
+    frozen: bool = False  # /readyz says LMCache is in a full-sync freeze
     fail_503: int = 0  # answer this many completion requests with 503 first
     cut_after_events: int | None = None  # stream this many events, then drop the connection
     events: int = 3
@@ -85,9 +86,10 @@ def fake_worker(script: Script) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        return JSONResponse(
-            {"status": "ready" if script.ready else "starting"}, 200 if script.ready else 503
+        body = (
+            {"status": "ready", "frozen": script.frozen} if script.ready else {"status": "starting"}
         )
+        return JSONResponse(body, 200 if script.ready else 503)
 
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from fakes import ControllerScript, Script, bound_socket, fake_controller, fake_
 
 from kvpool.gateway.app import build_app
 from kvpool.gateway.config import GatewayEnv, parse_config
+from kvpool.gateway.instances import probe_all
 from kvpool.gateway.routing import P2P_LOCATION
 from kvpool.gateway.state import build_state
 
@@ -165,6 +166,27 @@ async def test_connect_errors_retry_and_open_the_breaker() -> None:
         )
         ready = (await client.get("/readyz")).json()
         assert ready["instances"]["dead"]["breaker"] == "open"
+
+
+async def test_a_frozen_instance_is_avoided_while_another_can_take_the_request() -> None:
+    """An instance whose LMCache is in a full-sync freeze (its /readyz says frozen) stores
+    nothing it prefills: the index's holder is passed over for a thawed instance, and used
+    again when every instance is frozen (answering beats refusing)."""
+    a, b = Script("a", frozen=True), Script("b")
+    async with gateway([a, b], ControllerScript(hits={"a~x": 4})) as (client, state):
+        ready = (await client.get("/readyz")).json()
+        assert ready["instances"]["a"]["frozen"] is True
+        r = await client.post("/v1/completions", json=PROMPT)
+        assert r.status_code == 200 and r.headers["x-kvpool-instance"] == "b"
+        b.frozen = True
+        await probe_all(state.http, state.instances, state.metrics, 2.0)
+        r = await client.post("/v1/completions", json={"prompt": "another prompt entirely"})
+        assert r.status_code == 200  # every instance frozen: still served
+        a.frozen = b.frozen = False
+        await probe_all(state.http, state.instances, state.metrics, 2.0)
+        assert not state.instances.frozen
+        r = await client.post("/v1/completions", json={"prompt": "a third prompt, fresh"})
+        assert r.status_code == 200
 
 
 async def test_an_upstream_that_never_answers_is_a_504() -> None:

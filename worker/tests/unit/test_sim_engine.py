@@ -192,3 +192,29 @@ def test_ddr_hits_after_the_device_forgot_and_memory_api(make_sim_engine: Make) 
     assert m["cached_tokens_total.local_cpu"] == 96
     assert m["evicted_chunks_total.device"] == 6 and m["stored_chunks_total.local_cpu"] == 6
     assert stats["tiers"]["local_cpu"]["chunks"] == 6 and stats["hit_tokens"] == 96
+
+
+def test_readyz_says_when_lmcache_is_frozen(make_sim_engine: Make) -> None:
+    """During a full-sync freeze the worker is ready but stores nothing it prefills; /readyz
+    says so (``frozen``) and the gateway prefers other instances meanwhile."""
+    import httpx
+
+    from kvpool.protocol.chat import REFERENCE_TOKENIZER_DIR, load_tokenizer
+    from kvpool.worker.server import WorkerRuntime, build_app
+
+    async def run() -> list[dict[str, Any]]:
+        eng = make_sim_engine()
+        rt = WorkerRuntime(eng, load_tokenizer(REFERENCE_TOKENIZER_DIR))
+        await rt.start_engine()
+        transport = httpx.ASGITransport(app=build_app(rt, start_engine=False))
+        seen = []
+        async with httpx.AsyncClient(transport=transport, base_url="http://w") as c:
+            seen.append((await c.get("/readyz")).json())
+            eng.set_frozen(True)
+            seen.append((await c.get("/readyz")).json())
+        await eng.shutdown(2.0)
+        return seen
+
+    before, during = asyncio.run(run())
+    assert before["status"] == during["status"] == "ready"
+    assert (before["frozen"], during["frozen"]) == (False, True)

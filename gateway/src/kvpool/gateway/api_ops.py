@@ -27,7 +27,12 @@ async def healthz() -> dict[str, str]:
 async def readyz(state: StateDep) -> JSONResponse:
     index = state.index.describe()
     instances: dict[str, Any] = {
-        i.name: {"ready": i.ready, "breaker": i.breaker.state.value, "error": i.last_error}
+        i.name: {
+            "ready": i.ready,
+            "frozen": i.frozen,
+            "breaker": i.breaker.state.value,
+            "error": i.last_error,
+        }
         for i in state.instances
     }
     ready = state.instances.any_ready()

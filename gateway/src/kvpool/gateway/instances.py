@@ -37,6 +37,7 @@ class Instance:
     role: Role
     group: str
     pulls: bool = False  # a P2P group member that can pull what its group's members hold
+    frozen: bool = False  # its LMCache is in a full-sync freeze (its /readyz says): no stores
     last_error: str | None = None
     probe_failures: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
@@ -76,6 +77,9 @@ class InstanceSet:
             self.by_name[inst.name] = inst
         self.clock = clock
         self._impaired: set[Instance] = set()
+        #: instances whose last probe said LMCache is frozen (a full sync after a controller
+        #: restart): they answer, but store nothing; routing prefers the others meanwhile
+        self.frozen: set[Instance] = set()
         self._peers = [i for i in self.by_name.values() if i.role == "peer"]
         for inst in self.by_name.values():
             inst.on_change = self._refresh
@@ -140,6 +144,10 @@ async def probe(client: httpx.AsyncClient, inst: Instance, timeout_s: float) -> 
         inst.last_error = f"/readyz answered {resp.status_code}"
         return False
     inst.last_error = None
+    try:
+        inst.frozen = bool(resp.json().get("frozen", False))
+    except ValueError:  # a /readyz that is not JSON (another engine) says nothing of it
+        inst.frozen = False
     return True
 
 
@@ -167,6 +175,7 @@ async def probe_all(
             )
         inst.ready = ok
         metrics.instance_ready.labels(inst.name).set(1 if ok else 0)
+    instances.frozen = {i for i in insts if i.ready and i.frozen}
 
 
 async def health_loop(

@@ -102,6 +102,9 @@ class Selector:
         avail = self.instances.available(pool)
         if exclude:
             avail = [i for i in avail if i.name not in exclude]
+        if self.instances.frozen:  # what a frozen LMCache computes now is not stored
+            thawed = [i for i in avail if i not in self.instances.frozen]
+            avail = thawed or avail
         static = self._static(avail)
         names = static.names
         inflight, queued, ttft = self.load.columns(static.slots)

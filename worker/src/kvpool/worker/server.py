@@ -94,6 +94,16 @@ class WorkerRuntime:
         return reason if isinstance(reason, str) else None
 
     @property
+    def frozen(self) -> bool:
+        """LMCache's full-sync freeze (after a controller restart): stores are dropped until
+        the controller confirms the sync; the engine's own ``lmcache_frozen`` or its offload's."""
+        for owner in (self.engine, getattr(self.engine, "offload", None)):
+            value = getattr(owner, "lmcache_frozen", None)
+            if isinstance(value, bool):
+                return value
+        return False
+
+    @property
     def ready(self) -> bool:
         return (
             self.started and not self.draining and self.start_error is None and self.refusal is None
@@ -241,7 +251,8 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
     async def readyz() -> JSONResponse:
         runtime.metrics.ready.set(1 if runtime.ready else 0)
         if runtime.ready:
-            return JSONResponse({"status": "ready", "model": served})
+            # frozen: ready, but what is prefilled now is not stored (the gateway prefers others)
+            return JSONResponse({"status": "ready", "model": served, "frozen": runtime.frozen})
         body = {"status": runtime.state}
         if runtime.refusal is not None:
             body["reason"] = runtime.refusal

@@ -138,6 +138,11 @@ class SimEngine:
         """Why the controller refused this worker (the runtime's ``/readyz`` says refused)."""
         return self.client.refusal if self.client is not None else None
 
+    @property
+    def lmcache_frozen(self) -> bool:
+        """In LMCache's full-sync freeze (its stores are dropped and counted)."""
+        return bool(self.instance.frozen)
+
     def set_frozen(self, frozen: bool) -> None:
         """LMCache's freeze during a full sync: stores are dropped and counted."""
         self.instance.frozen = frozen

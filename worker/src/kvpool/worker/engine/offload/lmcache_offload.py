@@ -189,6 +189,11 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
         )
 
     @property
+    def lmcache_frozen(self) -> bool:
+        """LMCache is in its full-sync freeze: every store is dropped until it ends."""
+        return bool(self.engine.is_frozen())
+
+    @property
     def controller_refusal(self) -> str | None:
         """Why the controller refused this worker's registration (None: accepted or no
         controller); the worker is then not ready."""
