@@ -364,8 +364,9 @@ async def main_async(args: argparse.Namespace) -> int:
     summary = summarize(rows, bws, args.quick)
     for key in ("p2p_vs_raw_nixl", "pd_vs_raw_nixl"):
         summary["ratios"][key] = xfer[key]
-    for key in ("raw_nixl_GBps", "p2p_GBps", "pd_GBps", "transfer_bytes"):
-        summary["metrics"][key] = xfer[key]
+    for key, value in xfer.items():  # GB/s, bytes, and each side's phases in ms
+        if not key.endswith("_vs_raw_nixl"):
+            summary["metrics"][key] = value
     shape = model_shape(opts)
     result = {
         "component": "worker",

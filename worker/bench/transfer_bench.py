@@ -12,7 +12,10 @@ between two real processes over NIXL/UCX on 127.0.0.1 (``UCX_NET_DEVICES=lo``):
 - PD: the prefill's LMCache stores with a ``transfer_spec``, timed until the proxy's
   ``ProxyNotif`` (the decoder's buffers hold the data).
 
-Each role runs as ``python transfer_bench.py ROLE DIR ...``; ``measure()`` orchestrates them.
+Each role runs as ``python transfer_bench.py ROLE DIR ...``; ``measure()`` starts all six
+processes at once and interleaves the rounds (raw, P2P, PD, raw, ...), so the load of a shared
+box hits the three ways alike. Each side times its phases (:mod:`phases`): the JSON says where
+the time went on both sides of every transfer.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import phases as phase_timing
 import services
 
 GEOMETRY = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}
@@ -45,6 +49,16 @@ def _wait_file(path: Path, timeout_s: float = 180) -> str:
             return path.read_text()
         time.sleep(0.05)
     raise TimeoutError(f"{path} did not appear within {timeout_s}s")
+
+
+def _round(d: Path, role: str, i: int) -> None:
+    """Wait until the orchestrator lets ``role`` run its round ``i`` (rounds of the three ways
+    are interleaved, so the shared box's load hits them alike)."""
+    _wait_file(d / f"go.{role}.{i}", 600)
+
+
+def _round_done(d: Path, role: str, i: int) -> None:
+    (d / f"done.{role}.{i}").write_text("1")
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -67,11 +81,12 @@ def _paged(num_tokens: int, seed: int) -> tuple[list[Any], Any]:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    blocks = num_tokens // GEOMETRY["block_size"] + 1
-    shape = (2, blocks, GEOMETRY["block_size"], GEOMETRY["num_kv_heads"], GEOMETRY["head_dim"])
-    return [torch.randn(shape, generator=g) for _ in range(GEOMETRY["num_layers"])], torch.arange(
-        num_tokens
-    )
+    bs = GEOMETRY["block_size"]
+    blocks = num_tokens // bs + 1
+    shape = (2, blocks, bs, GEOMETRY["num_kv_heads"], GEOMETRY["head_dim"])
+    order = torch.randperm(blocks, generator=g)  # whole blocks in random order, as an engine's
+    slots = (order[:, None] * bs + torch.arange(bs)).flatten()[:num_tokens]
+    return [torch.randn(shape, generator=g) for _ in range(GEOMETRY["num_layers"])], slots
 
 
 # --- roles (each in its own process) -----------------------------------------------------------
@@ -98,7 +113,8 @@ def role_raw(d: Path, side: str, nbytes: int, repeats: int) -> None:
     remote = agent.add_remote_agent((d / "raw.meta").read_bytes())
     remote_descs = agent.deserialize_descs((d / "raw.descs").read_bytes())
     times = []
-    for _ in range(repeats + 1):  # the first transfer also connects: not counted
+    for i in range(repeats + 1):  # the first transfer also connects: not counted
+        _round(d, "raw", i)
         handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(buf), remote_descs, remote)
         t0 = time.perf_counter()
         state = agent.transfer(handle)
@@ -108,6 +124,7 @@ def role_raw(d: Path, side: str, nbytes: int, repeats: int) -> None:
         agent.release_xfer_handle(handle)
         if state == "ERR":
             raise RuntimeError("raw NIXL transfer failed")
+        _round_done(d, "raw", i)
     (d / "raw.json").write_text(json.dumps({"seconds": times[1:]}))
     (d / "raw.done").write_text("1")
 
@@ -122,6 +139,8 @@ def role_p2p(d: Path, side: str, ctl: dict[str, str], ntok: int, repeats: int) -
         "p2p_init_ports": [services.free_port()], "p2p_lookup_ports": [services.free_port()],
         "enable_async_loading": True, **CHANNEL,
     }  # fmt: skip
+    timing = phase_timing.Phases()
+    (phase_timing.p2p_holder if side == "a" else phase_timing.p2p_requester)(timing)
     off: LMCacheOffload = _offload(cfg, f"bench-{side}")
     prompts = [_tokens(ntok, seed=i) for i in range(repeats + 1)]
     if side == "a":
@@ -132,16 +151,20 @@ def role_p2p(d: Path, side: str, ctl: dict[str, str], ntok: int, repeats: int) -
         time.sleep(1.0)  # admit events reach the controller (batched every 10 ms)
         (d / "p2p.ready").write_text("1")
         _wait_file(d / "p2p.done", 600)
+        (d / "p2p.a.phases.json").write_text(json.dumps(timing.medians(skip=1)))
     else:
         _wait_file(d / "p2p.ready")
         times, hits = [], []
-        for p in prompts:  # distinct prompts: B never has them locally
+        for i, p in enumerate(prompts):  # distinct prompts: B never has them locally
+            _round(d, "p2p", i)
             t0 = time.perf_counter()
             lid = off.start_lookup(p)
             assert off.async_lookups is not None
             hits.append(off.async_lookups.wait(lid))
             times.append(time.perf_counter() - t0)
             off.cancel_lookup(lid)
+            _round_done(d, "p2p", i)
+        (d / "p2p.b.phases.json").write_text(json.dumps(timing.medians(skip=1)))
         (d / "p2p.json").write_text(json.dumps({"seconds": times[1:], "hit_tokens": hits[1:]}))
         (d / "p2p.done").write_text("1")
     off.close(5)
@@ -159,6 +182,8 @@ def role_pd(d: Path, side: str, ports: dict[str, int], ntok: int, repeats: int) 
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
         pull.bind(f"tcp://127.0.0.1:{ports['proxy']}")
+        timing = phase_timing.Phases()
+        phase_timing.pd_receiver(timing)
         off = _offload(
             {**common, "pd_role": "receiver", "pd_peer_host": "127.0.0.1",
              "pd_peer_init_port": [ports["init"]], "pd_peer_alloc_port": [ports["alloc"]]},
@@ -177,12 +202,15 @@ def role_pd(d: Path, side: str, ports: dict[str, int], ntok: int, repeats: int) 
             loaded.append(off.retrieve(tokens, off.lookup(tokens), kv, slots))
             (d / f"pd.consumed.{len(got)}").write_text("1")
         (d / "pd.recv.json").write_text(json.dumps({"notifications": got, "loaded": loaded}))
+        (d / "pd.recv.phases.json").write_text(json.dumps(timing.medians(skip=1)))
         pull.close(linger=0)
         ctx.term()
         off.close(5)
         return
     from kvpool.worker.engine_api import KVTransferParams
 
+    timing = phase_timing.Phases()
+    phase_timing.pd_sender(timing)
     off = _offload(
         {**common, "pd_role": "sender", "pd_proxy_host": "127.0.0.1",
          "pd_proxy_port": ports["proxy"], "save_unfull_chunk": True},
@@ -193,12 +221,15 @@ def role_pd(d: Path, side: str, ports: dict[str, int], ntok: int, repeats: int) 
     times = []
     for i in range(repeats + 1):
         spec = KVTransferParams(f"bench-{i}", "127.0.0.1", (ports["init"],), (ports["alloc"],))
+        _round(d, "pd", i)
         t0 = time.time()
         off.store(_tokens(ntok, seed=100 + i), kv, slots, kv_transfer=spec)
         done = float(_wait_file(d / f"pd.notified.{i + 1}", 120))
         times.append(done - t0)
         _wait_file(d / f"pd.consumed.{i + 1}", 120)  # the decoder's retrieve, not timed
+        _round_done(d, "pd", i)
     (d / "pd.json").write_text(json.dumps({"seconds": times[1:]}))
+    (d / "pd.send.phases.json").write_text(json.dumps(timing.medians(skip=1)))
     off.close(5)
 
 
@@ -223,6 +254,19 @@ def _join(d: Path, procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+def _wait_done(d: Path, role: str, i: int, procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """Wait for ``role``'s round ``i``; a role process that died ends the run with its log."""
+    end = time.monotonic() + 300
+    while not (d / f"done.{role}.{i}").exists():
+        for name, proc in procs.items():
+            if proc.poll() not in (None, 0):
+                tail = (d / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"transfer bench role {name} exited {proc.returncode}:\n{tail}")
+        if time.monotonic() > end:
+            raise TimeoutError(f"round {i} of {role} did not finish within 300 s")
+        time.sleep(0.02)
 
 
 def chunk_bytes() -> int:
@@ -269,16 +313,27 @@ def measure(tmp: Path, *, tokens: int, repeats: int) -> dict[str, Any]:
         }
 
     with services.started(ctl_cmd, ctl_ports["http"], "kvpool-controller", d / "controller.log"):
-        raw = {"raw-dst": _spawn(d, "raw-dst", "raw", str(d), "dst", str(nbytes), r),
-               "raw-src": _spawn(d, "raw-src", "raw", str(d), "src", str(nbytes), r)}  # fmt: skip
-        _join(d, raw, 300)
-        _join(d, pair("p2p", ("a", "b"), json.dumps(ctl)), 400)
-    _join(d, pair("pd", ("recv", "send"), json.dumps(pd_ports)), 400)
+        procs = {
+            "raw-dst": _spawn(d, "raw-dst", "raw", str(d), "dst", str(nbytes), r),
+            "raw-src": _spawn(d, "raw-src", "raw", str(d), "src", str(nbytes), r),
+            **pair("p2p", ("a", "b"), json.dumps(ctl)),
+            **pair("pd", ("recv", "send"), json.dumps(pd_ports)),
+        }
+        try:
+            for i in range(repeats + 1):  # round i of each way, one after the other
+                for role in ("raw", "p2p", "pd"):
+                    (d / f"go.{role}.{i}").write_text("1")
+                    _wait_done(d, role, i, procs)
+        except BaseException:
+            for proc in procs.values():
+                proc.kill()
+            raise
+        _join(d, procs, 300)
     raw_s = json.loads((d / "raw.json").read_text())["seconds"]
     p2p_r = json.loads((d / "p2p.json").read_text())
     pd_s = json.loads((d / "pd.json").read_text())["seconds"]
     pd_loaded = json.loads((d / "pd.recv.json").read_text())["loaded"]
-    if min(pd_loaded) < tokens - CHUNK:  # the receiver skips the prompt's last token
+    if min(pd_loaded) < tokens - 1:  # the receiver skips the prompt's last token
         raise RuntimeError(f"PD receiver loaded {pd_loaded} tokens, expected ~{tokens}")
     if (d / "raw.verified").read_text() != "1":
         raise RuntimeError("raw NIXL: the destination buffer does not hold the source bytes")
@@ -291,6 +346,12 @@ def measure(tmp: Path, *, tokens: int, repeats: int) -> dict[str, Any]:
         "pd_GBps": gb / statistics.median(pd_s),
         "transfer_bytes": float(nbytes),
     }
+    for side in ("p2p.a", "p2p.b", "pd.send", "pd.recv"):  # where the time went, per side
+        for label, ms in json.loads((d / f"{side}.phases.json").read_text()).items():
+            out[f"{side.replace('.', '_')}_{label}_ms"] = ms
+    out["raw_nixl_ms"] = statistics.median(raw_s) * 1e3
+    out["p2p_ms"] = statistics.median(p2p_r["seconds"]) * 1e3
+    out["pd_ms"] = statistics.median(pd_s) * 1e3
     out["p2p_vs_raw_nixl"] = out["p2p_GBps"] / out["raw_nixl_GBps"]
     out["pd_vs_raw_nixl"] = out["pd_GBps"] / out["raw_nixl_GBps"]
     return out
