@@ -58,7 +58,7 @@ def test_decode_after_the_transfer_equals_a_single_instance(stack: Any) -> None:
         assert httpx.get(f"{prefill}/pd/info").json()["proxy_port"] == proxy_port
         # A single instance, for reference: the decoder without a transfer prefills itself.
         # two full chunks + a partial one; shorter than one chunk; 7 full chunks + a partial
-        # one, which the sender stores in 3 groups (pd.store_groups) with one ProxyNotif
+        # one, which the sender stores in 2 groups (pd.store_groups) with one ProxyNotif
         for n in (600, 90, 2000):
             prompt = tokens(n, seed=n)
             single = complete(decode, prompt, 10)

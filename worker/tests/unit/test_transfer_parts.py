@@ -135,7 +135,7 @@ def test_kv_transfer_params_become_the_hand_over() -> None:
 
 def test_a_pd_store_goes_in_groups_of_whole_chunks_with_one_last_spec() -> None:
     mib = 2**20
-    assert pd.store_groups(2000, 256, mib) == [(0, 1024), (1024, 2000)]  # 4 chunks of 1 MiB
+    assert pd.store_groups(2000, 256, 2 * mib) == [(0, 1024), (1024, 2000)]  # 4 of 2 MiB
     assert pd.store_groups(512, 256, 19 * mib) == [(0, 256), (256, 512)]  # a chunk at least
     assert pd.store_groups(90, 256, mib) == [(0, 90)]
     assert pd.store_groups(0, 256, mib) == []

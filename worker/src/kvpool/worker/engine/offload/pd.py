@@ -47,7 +47,7 @@ class TransferSpec:
 # on its sender loop) while the next group is gathered and sealed here, instead of gathering
 # the whole prompt before the first byte moves. The receiver reserves the request's
 # total_chunks on the first group and LMCache sends ProxyNotif once, after the last group.
-PD_GROUP_BYTES = 4 * 2**20
+PD_GROUP_BYTES = 8 * 2**20
 
 
 def store_groups(
