@@ -139,7 +139,11 @@ def iter_chunk_hashes(tokens: Sequence[int], config: HashConfig) -> Iterator[Chu
     cbor = config.effective_algorithm == "sha256_cbor"
     prefix = none_hash(config)
     for start in range(0, end, size):
-        chunk = tuple(int(t) for t in tokens[start : start + size])
+        # The builtin hash of a tuple only sees its items' hashes, and an integer-valued
+        # item (int, bool, numpy integer) hashes as its int: the slice is hashed as it is
+        # (no Python step per token); CBOR encodes by type, so it gets ints.
+        part = tokens[start : start + size]
+        chunk = tuple(map(int, part)) if cbor else tuple(part)
         key = (prefix, chunk, ())
         prefix = sha256_cbor_64(key) if cbor else hash(key)
         yield ChunkHash(start, min(start + size, total), prefix)
