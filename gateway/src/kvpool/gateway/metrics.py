@@ -2,13 +2,19 @@
 
 Why this module exists: the questions an operator asks of a router — how many requests, why
 each went where it went, how many prompt tokens it expected to be cached, how slow each
-instance answers (latency and time to first token), how often it retried and refused — each
-have one metric here, named ``kvpool_gateway_*``.
+instance answers (latency and time to first token), how often it retried and refused, which
+instances it has cut off with their circuit breaker — each have one metric here, named
+``kvpool_gateway_*``. The breakers' state is read at scrape time (``watch_breakers``), so the
+request path does nothing for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -88,5 +94,25 @@ class GatewayMetrics:
             registry=r,
         )
 
+    def watch_breakers(self, breakers: Callable[[], Iterable[tuple[str, bool]]]) -> None:
+        """Export ``kvpool_gateway_breaker_open{instance}``: 1 while an instance's breaker is
+        not closed, from ``breakers()`` (instance name, closed?) at each scrape."""
+        self.registry.register(_BreakerCollector(breakers))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _BreakerCollector(Collector):
+    def __init__(self, breakers: Callable[[], Iterable[tuple[str, bool]]]) -> None:
+        self._breakers = breakers
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "kvpool_gateway_breaker_open",
+            "1 while the circuit breaker of an instance is open or half-open",
+            labels=["instance"],
+        )
+        for name, closed in self._breakers():
+            family.add_metric([name], 0.0 if closed else 1.0)
+        yield family

@@ -30,7 +30,7 @@ from kvpool.gateway.pd import PDCoordinator
 from kvpool.gateway.pd_flow import PDFlow
 from kvpool.gateway.prompts import Encoder, encoder_for
 from kvpool.gateway.proxy import Proxy
-from kvpool.gateway.reliability import KeyedBuckets
+from kvpool.gateway.reliability import BreakerState, KeyedBuckets
 from kvpool.gateway.routing import Guards, PolicySettings, Router, make_policy
 from kvpool.gateway.selection import Selector
 from kvpool.gateway.upstream import Upstream
@@ -121,6 +121,9 @@ def build_state(
         limits=httpx.Limits(max_connections=limits.max_inflight * 2, max_keepalive_connections=64),
     )
     instances = InstanceSet.from_config(config)
+    metrics.watch_breakers(
+        lambda: ((i.name, i.breaker.state is BreakerState.CLOSED) for i in instances)
+    )
     upstream = Upstream(
         limits.max_inflight * 2, limits.connect_timeout_seconds, limits.upstream_timeout_seconds
     )
