@@ -2,11 +2,22 @@
 
 Why its own registry: tests run several controllers in one process, and the hot path (every
 admit/evict batch) must not pay for label look-ups under a lock. Counters on the hot path are
-plain dicts read at scrape time by a collector; histograms (lookups only) use prometheus_client.
+plain dicts read at scrape time by a collector; histograms (lookups, loop lag) use
+prometheus_client.
+
+How far the controller trails: LMCache's messages carry no timestamp and ZMQ shows no queue
+depth, so lag is measured from inside. ``loop_lag_seconds`` is how late a 100 ms tick of the
+event loop runs (what every lookup, heartbeat and delta publication waits behind);
+``backlog_seconds`` counts the time admit/evict messages were still waiting on the PULL socket
+when a drain pass ended (its rate is the share of time the index trails the workers: near 1,
+the controller cannot keep up). Label values known in advance (refusal reasons) are exported
+at 0 from the start, so an alert on them has a series before the first refusal.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -27,6 +38,10 @@ LOOKUP_BUCKETS = (
     0.025,
     0.1,
 )
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LAG_TICK_S = 0.1
+#: Refusal reasons the controller has (service.py), exported before the first one happens.
+REFUSAL_REASONS = ("fingerprint",)
 
 
 class Metrics:
@@ -36,12 +51,13 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.messages: Counter[str] = Counter()  # by message type
         self.bad_input: Counter[str] = Counter()  # by kind
-        self.refusals: Counter[str] = Counter()  # by reason
+        self.refusals: Counter[str] = Counter(dict.fromkeys(REFUSAL_REASONS, 0))
         self.purges = 0
         self.full_syncs: Counter[str] = Counter()  # by outcome
         self.persistence_errors = 0
         self.persistence_dropped = 0
         self.deltas_published = 0
+        self.backlog_seconds = 0.0
         self.gauges: dict[str, Callable[[], float]] = {}
         self.location_counts: Callable[[], dict[str, int]] = dict
         self.lookup_seconds = Histogram(
@@ -51,10 +67,25 @@ class Metrics:
             buckets=LOOKUP_BUCKETS,
             registry=self.registry,
         )
+        self.loop_lag = Histogram(
+            f"{PREFIX}_loop_lag_seconds",
+            f"How late the event loop ran a {LAG_TICK_S:g} s tick",
+            buckets=LAG_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_Collector(self))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def watch_loop_lag(
+        self, tick_s: float = LAG_TICK_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """Until cancelled: sleep ``tick_s``, observe how much later than that it woke."""
+        while True:
+            t0 = clock()
+            await asyncio.sleep(tick_s)
+            self.loop_lag.observe(max(0.0, clock() - t0 - tick_s))
 
 
 class _Collector:
@@ -94,6 +125,11 @@ class _Collector:
         )
         yield CounterMetricFamily(
             f"{PREFIX}_deltas_published", "Index deltas published", value=m.deltas_published
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_backlog_seconds",
+            "Seconds admit/evict messages were still waiting on the PULL socket after a drain",
+            value=m.backlog_seconds,
         )
         for name, fn in sorted(m.gauges.items()):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", name.replace("_", " "), value=fn())

@@ -166,6 +166,7 @@ class ControllerServer:
             if self.settings.purge_enabled:
                 tg.create_task(self._purge_loop())
             tg.create_task(self._sweep_loop())
+            tg.create_task(self.service.metrics.watch_loop_lag())
             if self.store is not None:
                 tg.create_task(self.store.run(self._snapshot_now))
             self.ready = True
@@ -183,10 +184,19 @@ class ControllerServer:
             else []
         )
         clock = time.perf_counter
+        metrics = self.service.metrics
+        behind_at: float | None = None  # the PULL socket still held messages at this time
         while True:
             await asock.poll()  # default: wait (no timeout) for POLLIN
-            self._drain(role, handle, clock() + budget, urgent)
+            start = clock()
+            drained = self._drain(role, handle, start + budget, urgent)
             self.flush()
+            if role == "pull":  # how long admit/evict messages waited (metrics.py says why)
+                now = clock()
+                since = behind_at if behind_at is not None else (None if drained else start)
+                if since is not None:
+                    metrics.backlog_seconds += now - since
+                behind_at = None if drained else now
             await asyncio.sleep(0)
 
     def _request_roles(self) -> list[tuple[str, Any]]:
@@ -198,22 +208,24 @@ class ControllerServer:
         handle: Any,
         deadline: float,
         urgent: list[tuple[str, zmq.Socket[bytes], Any]],
-    ) -> None:
+    ) -> bool:
         """Handle up to ``drain_batch`` frames of one socket without blocking, until the deadline;
-        between two frames, answer whatever the ``urgent`` sockets hold."""
+        between two frames, answer whatever the ``urgent`` sockets hold. True when it stopped
+        because the socket was empty."""
         ssock = self._shadows[role]
         clock = time.perf_counter
         for _ in range(self.settings.drain_batch):
             try:
                 frames = ssock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                break
+                return True
             self._handle(role, handle, frames)
             for other, osock, ohandle in urgent:
                 if cast(int, osock.get(zmq.EVENTS)) & zmq.POLLIN:
                     self._drain(other, ohandle, float("inf"), [])  # at most drain_batch
             if clock() > deadline:
                 break  # let the other sockets (lookups, heartbeats) have their turn
+        return False
 
     def _handle(self, role: str, handle: Any, frames: list[bytes]) -> None:
         try:
