@@ -70,6 +70,7 @@ Metrics (``measure_scale`` returns them; ``markdown`` renders them):
 | ``controller_events_per_cpu_s`` | flat out: events ÷ the controller's CPU seconds (the |
 | | lookups it answered meanwhile included) |
 | ``controller_lookup_cpu_s_flat`` | flat out: seconds the controller spent inside lookups |
+| ``controller_events_per_cpu_s_outside_lookups`` | flat out: events ÷ (CPU − inside lookups) |
 | ``controller_lookups_per_s`` | paced: lookups answered per second |
 | ``controller_lookup_errors`` | lookups not answered (both runs) |
 | ``controller_cpu_s``, ``..._flat`` | controller CPU s (user+system), start to last sentinel |
@@ -964,6 +965,9 @@ def measure_controller(
     m["controller_replica_gaps"] = sum(r["replica_gaps"] for r in every)
     m["controller_events_per_s"] = flat["events_per_s"]
     m["controller_events_per_cpu_s"] = flat["events_sent"] / max(flat["cpu_s"], 1e-3)
+    m["controller_events_per_cpu_s_outside_lookups"] = flat["events_sent"] / max(
+        flat["cpu_s"] - flat["lookup_inside_s"], 1e-3
+    )
     m["controller_msgs_per_s"] = flat["msgs_per_s"]
     m["controller_messages"] = first["messages"]
     m["controller_events_per_s_paced"] = paced["events_per_s"]
@@ -1052,6 +1056,11 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("controller_lookup_p99_ms_flat", "flat out: lookup p99 (ms)", "{:.2f}"),
     ("controller_cpu_s_flat", "flat out: controller CPU (s)", "{:.1f}"),
     ("controller_lookup_cpu_s_flat", "flat out: of which inside lookups (s)", "{:.1f}"),
+    (
+        "controller_events_per_cpu_s_outside_lookups",
+        "flat out: events per controller CPU second outside lookups",
+        "{:,.0f}",
+    ),
     ("controller_rss_mb", "controller RSS at the end (MB)", "{:.0f}"),
     ("controller_chunk_locations", "chunk-locations at the end", "{:,.0f}"),
     ("controller_instances_with_keys", "instances holding chunks at the end", "{:,.0f}"),
