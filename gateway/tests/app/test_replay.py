@@ -51,6 +51,7 @@ class Answer:
     hang: bool = False
     cut_after: int | None = None
     error_event: bool = False
+    retry_after: str | None = None
 
 
 @dataclass
@@ -90,6 +91,8 @@ def fake_openai(up: Upstream) -> FastAPI:
         up.bodies.append(body)
         a = up.answer(n, body)
         headers = {"x-kvpool-instance": a.instance} if a.instance else {}
+        if a.retry_after is not None:
+            headers["Retry-After"] = a.retry_after
         if a.status != 200:
             return JSONResponse({"error": {"message": "draining"}}, a.status, headers=headers)
         chat = "messages" in body
@@ -104,6 +107,8 @@ def fake_openai(up: Upstream) -> FastAPI:
                 if i:
                     await asyncio.sleep(a.gap_s)
                 choice = {"index": 0, "delta": {"content": f"t{i}"}} if chat else {"text": f"t{i}"}
+                if i == a.tokens - 1:
+                    choice["finish_reason"] = "length"
                 yield ev({"choices": [choice]})
             if a.error_event:
                 yield ev({"error": {"message": "x", "type": "bad_gateway", "code": "upstream_cut"}})
@@ -285,6 +290,52 @@ async def test_stop_cancels_in_flight_and_reports(builder: BlockPromptBuilder) -
         run = await asyncio.wait_for(task, 5)
     assert run.stopped and run.not_sent == 1
     assert [o.error for o in run.outcomes] == ["cancelled", "cancelled"]
+
+
+async def test_a_retrying_client_retries_what_it_may_and_keeps_each_attempt(
+    builder: BlockPromptBuilder,
+) -> None:
+    # per row: a 503 with Retry-After then an answer; a 502 without it then a cut stream then an
+    # error event then an answer; a hang (timeout: never retried); a 400 (never retried)
+    script = {0: [Answer(status=503, retry_after="0"), Answer()],
+              1: [Answer(status=502), Answer(cut_after=1), Answer(error_event=True), Answer()],
+              2: [Answer(hang=True)], 3: [Answer(status=400)]}  # fmt: skip
+    tries: dict[int, int] = {}
+
+    def answer(n: int, body: dict[str, Any]) -> Answer:
+        row = next(i for i in script if body["prompt"] == prompts[i])
+        tries[row] = tries.get(row, 0) + 1
+        return script[row][tries[row] - 1]
+
+    jobs = make_jobs(mooncake([0, 0, 0, 0]), builder, "m")
+    prompts = [builder.text(tuple(range(i * 10, i * 10 + 3)), 40) for i in range(4)]
+    async with upstream(Upstream(answer=answer)) as url:
+        run = await replay(url, jobs, timeout_s=1, retries=4, keep_text=True)
+    by = {o.index: o for o in run.outcomes}
+    assert by[0].ok and [(a.error, a.retry_after, a.wait_s) for a in by[0].attempts] == [
+        ("http_503", "0", 0.0)
+    ]
+    assert by[1].ok and [a.error for a in by[1].attempts] == [
+        "http_502", "disconnect", "stream_upstream_cut"
+    ]  # fmt: skip
+    assert [a.wait_s for a in by[1].attempts] == [0.5, 1.0, 2.0]  # no Retry-After: backoff
+    for o in (by[0], by[1]):
+        assert (o.text, o.done, o.finish_reason, o.output_tokens) == ("t0t1t2", True, "length", 3)
+    assert (by[2].error, by[2].attempts) == ("timeout", [])
+    assert (by[3].error, by[3].attempts) == ("http_400", [])
+
+
+async def test_finish_sends_nothing_more_and_lets_in_flight_answer(
+    builder: BlockPromptBuilder,
+) -> None:
+    up = Upstream(answer=lambda n, body: Answer(ttft_s=0.5))
+    async with upstream(up) as url:
+        rep = Replay(Endpoint(url, timeout_s=10), make_jobs(mooncake([0, 5000]), builder, "m"))
+        task = asyncio.create_task(rep.run())
+        await asyncio.sleep(0.2)
+        rep.finish()
+        run = await asyncio.wait_for(task, 5)
+    assert run.not_sent == 1 and [o.error for o in run.outcomes] == [None]
 
 
 # the command: flags, exit codes, outputs (it runs its own event loop: in a thread here)

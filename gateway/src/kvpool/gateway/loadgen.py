@@ -13,13 +13,22 @@ Each request's :class:`Outcome` records when it was due and when it left (latene
 overloaded client, or one held back by ``concurrency`` / ``max_sessions``, shows there), its
 HTTP status or error kind, TTFT (sent → first content), end-to-end time, output tokens (usage,
 else content events), usage's prompt and cached tokens, and the ``x-kvpool-instance`` header.
-No request outlives ``timeout_s``; :meth:`Replay.stop` ends a run early.
+No attempt outlives ``timeout_s``; :meth:`Replay.stop` ends a run early, :meth:`Replay.finish`
+sends nothing more and lets what is in flight answer.
+
+A client that retries (``Endpoint.retries``; the chaos suite, e2e/chaos) sends a request again
+after an answer it may retry: a retryable status (429, 502, 503, 504: after its ``Retry-After``
+when there is one), a connection refused or cut, or an error event in the stream (the answer is
+incomplete; the requests are greedy, so a second answer is the same). Each failed attempt is
+kept (:class:`FailedAttempt`: kind, status, ``Retry-After``); a timeout is never retried (it is
+what the suite counts as a hung request), nor an answer that ended without error yet incomplete.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +41,20 @@ import msgspec
 INSTANCE_HEADER = "x-kvpool-instance"
 REASON_HEADER = "x-kvpool-route-reason"
 _ERROR_BODY_BYTES = 2048
+#: HTTP statuses a retrying client sends again (the server said: not now)
+RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
+_RETRY_AFTER_CAP_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class FailedAttempt:
+    """An attempt of a request that the client retried (seconds from the replay's start)."""
+
+    error: str  # its kind: http_503, connect, disconnect, stream_upstream_cut, ...
+    status: int | None
+    retry_after: str | None  # the answer's Retry-After header, verbatim
+    at_s: float  # when it failed
+    wait_s: float  # how long the client waited before the next attempt
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +89,11 @@ class Outcome:
     cached_tokens: int | None = None
     instance: str | None = None
     reason: str | None = None  # the gateway's routing reason, when it says
+    retry_after: str | None = None  # an error answer's Retry-After header
+    done: bool = False  # the stream ended with ``data: [DONE]``
+    finish_reason: str | None = None  # the last one the stream named
+    text: str | None = None  # the answer's text (``Endpoint.keep_text``)
+    attempts: list[FailedAttempt] = field(default_factory=list)  # retried ones, in order
 
     @property
     def ok(self) -> bool:
@@ -102,6 +130,7 @@ class _Choice(msgspec.Struct):
     text: str | None = None
     delta: _Delta | None = None
     message: _Delta | None = None  # a non-streamed chat answer
+    finish_reason: str | None = None
 
 
 class _Event(msgspec.Struct):
@@ -126,15 +155,24 @@ def _has_content(ev: _Event) -> bool:
 class SseReader:
     """Incremental reader of an OpenAI SSE stream: feed raw chunks as they arrive."""
 
-    __slots__ = ("_buf", "content_events", "done", "error", "events", "usage")
+    __slots__ = (
+        "_buf", "_text", "content_events", "done", "error", "events", "finish_reason", "usage"
+    )  # fmt: skip
 
-    def __init__(self) -> None:
+    def __init__(self, keep_text: bool = False) -> None:
         self._buf = b""
         self.events = 0
         self.content_events = 0
         self.usage: _Usage | None = None
         self.error: str | None = None
         self.done = False
+        self.finish_reason: str | None = None
+        self._text: list[str] | None = [] if keep_text else None
+
+    @property
+    def text(self) -> str | None:
+        """The content so far (None unless built with ``keep_text``)."""
+        return None if self._text is None else "".join(self._text)
 
     def feed(self, chunk: bytes) -> bool:
         """Take ``chunk``; True when it held the stream's first content."""
@@ -164,6 +202,11 @@ class SseReader:
             self.error = self.error or f"stream_{_error_code(ev.error)}"
         if ev.usage is not None:
             self.usage = ev.usage
+        for c in ev.choices or ():
+            self.finish_reason = c.finish_reason or self.finish_reason
+            if self._text is not None:
+                d = c.delta or c.message
+                self._text.append(c.text or (d.content or "" if d is not None else ""))
         if not _has_content(ev):
             return False
         self.content_events += 1
@@ -193,8 +236,12 @@ class Endpoint:
     timeout_s: float = 600.0
     concurrency: int = 256  # requests in flight at most
     max_sessions: int | None = None  # sessions with a request pending or in flight, at most
+    retries: int = 0  # attempts after the first, on the failures the module docstring names
+    keep_text: bool = False  # keep each answer's text (Outcome.text)
 
     def __post_init__(self) -> None:
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.timeout_s <= 0:
@@ -262,7 +309,14 @@ class Replay:
         self._http: aiohttp.ClientSession | None = None
         self._dispatcher: asyncio.Task[None] | None = None
         self._stopped = False
+        self._finished = False
         self._t0 = 0.0
+
+    def finish(self) -> None:
+        """Send nothing more; what is in flight (and its retries) still answers."""
+        self._finished = True
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
 
     def stop(self) -> None:
         """Send nothing more and cancel what is in flight (each counted as ``cancelled``)."""
@@ -303,7 +357,7 @@ class Replay:
         return ReplayRun(
             outcomes=sorted(self.outcomes, key=lambda o: (o.sent_s, o.index)),
             duration_s=max(ends, default=0.0) - first,
-            stopped=self._stopped,
+            stopped=self._stopped or self._finished,
             not_sent=len(self.jobs) - len(self.outcomes),
         )
 
@@ -345,7 +399,7 @@ class Replay:
             if gate is not None:
                 await gate.acquire()
             try:
-                while sess.jobs:
+                while sess.jobs and not self._finished:
                     job = sess.jobs.popleft()
                     await self._send(job, max(self._t0 + job.at_s, sess.last_done))
                     sess.last_done = loop.time()
@@ -366,26 +420,63 @@ class Replay:
             self.outcomes.append(out)
             self.progress.sent += 1
             try:
-                async with asyncio.timeout(self.endpoint.timeout_s):
-                    await self._exchange(job, body, sent, out)
-            except TimeoutError:
-                out.error = "timeout"
-                out.detail = f"no complete answer in {self.endpoint.timeout_s} s"
-            except asyncio.CancelledError:
-                out.error, out.detail = "cancelled", "the replay was stopped"
-                raise
-            except aiohttp.ClientConnectorError as exc:
-                out.error, out.detail = "connect", str(exc)
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
-                out.error, out.detail = "disconnect", str(exc) or type(exc).__name__
-            except (aiohttp.ClientError, OSError) as exc:
-                out.error, out.detail = f"client_{type(exc).__name__}", str(exc)
+                while True:
+                    await self._attempt(job, body, sent, out)
+                    wait = self._retry_wait(out)
+                    if wait is None:
+                        break
+                    out.attempts.append(
+                        FailedAttempt(
+                            out.error or "", out.status, out.retry_after, loop.time() - self._t0,
+                            wait,
+                        )
+                    )  # fmt: skip
+                    _reset(out)
+                    await asyncio.sleep(wait)
             finally:
                 if out.e2e_s is None:
                     out.e2e_s = loop.time() - sent if out.error is None else None
                 self.progress.done += 1
                 self.progress.errors += out.error is not None
                 self.progress.events += out.events
+
+    async def _attempt(self, job: Job, body: bytes, sent: float, out: Outcome) -> None:
+        """One attempt; its failure, if any, in ``out.error`` (times from the first send)."""
+        try:
+            async with asyncio.timeout(self.endpoint.timeout_s):
+                await self._exchange(job, body, sent, out)
+        except TimeoutError:
+            out.error = "timeout"
+            out.detail = f"no complete answer in {self.endpoint.timeout_s} s"
+        except asyncio.CancelledError:
+            out.error, out.detail = "cancelled", "the replay was stopped"
+            raise
+        except aiohttp.ClientConnectorError as exc:
+            out.error, out.detail = "connect", str(exc)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+            out.error, out.detail = "disconnect", str(exc) or type(exc).__name__
+        except (aiohttp.ClientError, OSError) as exc:
+            out.error, out.detail = f"client_{type(exc).__name__}", str(exc)
+
+    def _retry_wait(self, out: Outcome) -> float | None:
+        """Seconds before the next attempt of ``out``, or None: no retry (see the module)."""
+        err = out.error
+        if err is None or len(out.attempts) >= self.endpoint.retries or self._stopped:
+            return None
+        retryable = (
+            (out.status in RETRYABLE_STATUS and err == f"http_{out.status}")
+            or err in ("connect", "disconnect")
+            or err.startswith(("client_", "stream_"))
+        )
+        if not retryable:
+            return None
+        backoff = min(8.0, 0.5 * (1 << min(len(out.attempts), 5)))
+        if out.retry_after is not None:
+            with contextlib.suppress(ValueError):
+                after = float(out.retry_after)
+                if math.isfinite(after) and after >= 0:
+                    return min(after, _RETRY_AFTER_CAP_S)
+        return backoff
 
     async def _exchange(self, job: Job, body: bytes, sent: float, out: Outcome) -> None:
         assert self._http is not None
@@ -395,11 +486,12 @@ class Replay:
             out.instance = resp.headers.get(INSTANCE_HEADER)
             out.reason = resp.headers.get(REASON_HEADER)
             if resp.status != 200:
+                out.retry_after = resp.headers.get("Retry-After")
                 raw = await resp.content.read(_ERROR_BODY_BYTES)
                 out.error = f"http_{resp.status}"
                 out.detail = raw.decode(errors="replace").strip()
                 return
-            sse = SseReader()
+            sse = SseReader(self.endpoint.keep_text)
             if resp.content_type == "text/event-stream":
                 async for chunk in resp.content.iter_any():
                     if sse.feed(chunk):
@@ -413,8 +505,19 @@ class Replay:
         _record(sse, out)
 
 
+def _reset(out: Outcome) -> None:
+    """Forget a failed attempt's answer before the next one (``attempts`` keeps its kind)."""
+    out.status = out.error = out.ttft_s = out.e2e_s = out.retry_after = None
+    out.prompt_tokens = out.cached_tokens = out.instance = out.reason = None
+    out.finish_reason = out.text = None
+    out.detail, out.events, out.output_tokens, out.done = "", 0, 0, False
+
+
 def _record(sse: SseReader, out: Outcome) -> None:
     out.events = sse.events
+    out.done = sse.done
+    out.finish_reason = sse.finish_reason
+    out.text = sse.text
     usage = sse.usage
     out.output_tokens = sse.content_events
     if usage is not None:
