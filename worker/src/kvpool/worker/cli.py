@@ -398,7 +398,12 @@ def build_runtime(
     tok = tokenizer if tokenizer is not None else tokenizer_for(settings)
     if settings.engine == "sim":
         engine = build_sim(settings, env, tok)
-        return WorkerRuntime(engine, tok, session_capacity=settings.session_capacity)
+        return WorkerRuntime(
+            engine,
+            tok,
+            session_capacity=settings.session_capacity,
+            memory_budget_bytes=settings.memory_budget_bytes,
+        )
     engine = build_reference_engine(settings, env, tok)
     offload = getattr(engine, "offload", None)
     pd_info = None
@@ -406,7 +411,13 @@ def build_runtime(
         from kvpool.worker.engine.offload.pd import pd_info as describe_pd  # noqa: PLC0415
 
         pd_info = describe_pd(offload.config)
-    return WorkerRuntime(engine, tok, session_capacity=settings.session_capacity, pd_info=pd_info)
+    return WorkerRuntime(
+        engine,
+        tok,
+        session_capacity=settings.session_capacity,
+        pd_info=pd_info,
+        memory_budget_bytes=settings.memory_budget_bytes,
+    )
 
 
 def refuse(exc: StartRefusedError) -> int:

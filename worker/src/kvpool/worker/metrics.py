@@ -6,6 +6,9 @@ measures what it sees at the HTTP boundary (TTFT histogram, tokens, requests, ge
 rate); everything ``engine.metrics()`` reports is exported as it is at scrape time. Engine
 keys of the form ``<name>.<tier>`` become one metric with a ``tier`` label, so
 ``stored_bytes_total.local_cpu`` is ``kvpool_engine_stored_bytes_total{tier="local_cpu"}``.
+The process's own resident memory (``process_*``) sits next to the memory its pod requests
+(``kvpool_worker_memory_budget_bytes``, when the operator rendered one), for the over-budget
+alert; in ``kvpool-worker host`` every instance reports the one shared process.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -95,9 +99,21 @@ class _EngineCollector(Collector):
 class RuntimeMetrics:
     """The worker's registry (one per app, so tests can build many apps)."""
 
-    def __init__(self, engine_metrics: Callable[[], Mapping[str, float]]) -> None:
+    def __init__(
+        self,
+        engine_metrics: Callable[[], Mapping[str, float]],
+        memory_budget_bytes: int | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU, open fds
+        if memory_budget_bytes is not None:
+            budget = Gauge(
+                "kvpool_worker_memory_budget_bytes",
+                "The memory the worker's pod requests (rendered by the operator)",
+                registry=r,
+            )
+            budget.set(memory_budget_bytes)
         self.ttft = Histogram(
             "kvpool_worker_ttft_seconds",
             "Time from handing the request to the engine to its first generated token",

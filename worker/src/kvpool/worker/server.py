@@ -70,12 +70,13 @@ class WorkerRuntime:
         *,
         session_capacity: int = 4096,
         pd_info: dict[str, Any] | None = None,
+        memory_budget_bytes: int | None = None,
     ):
         self.engine = engine
         self.pd_info = pd_info or {"enabled": False}  # GET /pd/info; PD sender or not
         self.tokenizer = tokenizer
         self.sessions = SessionStore(session_capacity)
-        self.metrics = RuntimeMetrics(engine.metrics)
+        self.metrics = RuntimeMetrics(engine.metrics, memory_budget_bytes)
         self.started = False
         self.draining = False
         self.start_error: str | None = None

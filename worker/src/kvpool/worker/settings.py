@@ -90,6 +90,9 @@ class WorkerSettings(BaseSettings):
 
     # Sessions for the agent memory API.
     session_capacity: int = Field(default=4096, ge=1)
+    #: The pod's memory request (the operator renders KVPOOL_WORKER_MEMORY_BUDGET_BYTES),
+    #: exported as kvpool_worker_memory_budget_bytes next to the process's resident memory.
+    memory_budget_bytes: int | None = Field(default=None, ge=0)
 
     # SIGTERM: stop being ready, wait unready_delay_s (endpoints catch up), drain in-flight
     # requests for at most drain_timeout_s, then shut the engine down; the process exits

@@ -52,6 +52,9 @@ def worker_env(
 
 
 WORKER_GRACE_SECONDS = WORKER_SHUTDOWN_DEADLINE_SECONDS + 15
+#: The worker's ``memory_budget_bytes`` setting (``KVPOOL_WORKER_<FIELD>``): the pod's memory
+#: request, exported as kvpool_worker_memory_budget_bytes for the over-budget alert.
+MEMORY_BUDGET_ENV = "KVPOOL_WORKER_MEMORY_BUDGET_BYTES"
 
 
 def _quantity(value: int) -> str:
@@ -82,6 +85,12 @@ def worker_resources(pool: KVCachePool, member: P2PGroup | PDPair, inst: Instanc
         count = inst.engine.accelerator_count
         extra[accelerator] = str(count if count is not None else inst.tp)
     return k8s.resources(Resources(requests=requests, limits=limits), extra)
+
+
+def memory_budget_env(resources: Obj) -> list[Obj]:
+    """The pod's memory request in bytes for the worker to export (none without a request)."""
+    request = resources.get("requests", {}).get("memory")
+    return [] if request is None else [k8s.env(MEMORY_BUDGET_ENV, str(parse_quantity(request)))]
 
 
 def _port_names(inst: InstancePorts) -> dict[str, int]:
@@ -137,13 +146,17 @@ def instance_objects(
     if disk is not None:
         volumes.append({"name": "kv-disk", "emptyDir": {"sizeLimit": str(disk.size * tp)}})
         mounts.append({"name": "kv-disk", "mountPath": disk.path})
+    resources = worker_resources(pool, member, instance)
     container = k8s.container(
         "engine",
         engine.image or pool.spec.images.worker,
         worker_command(pool, instance),
-        worker_env(pool, engine, inst, p2p=isinstance(member, P2PGroup) and member.spec.p2p),
+        [
+            *worker_env(pool, engine, inst, p2p=isinstance(member, P2PGroup) and member.spec.p2p),
+            *memory_budget_env(resources),
+        ],
         _port_names(inst),
-        worker_resources(pool, member, instance),
+        resources,
         # vLLM serves /health; kvpool's reference engine serves /readyz (false while draining).
         k8s.http_probe(inst.http, "/readyz" if engine.platform == "cpu" else "/health"),
     )
