@@ -52,6 +52,19 @@ def test_changed_children_are_patched_and_unrendered_ones_pruned() -> None:
     assert [o["metadata"]["name"] for o in result.delete] == ["demo-old-member"]
 
 
+def test_a_configmap_key_no_longer_rendered_is_removed_by_its_patch() -> None:
+    """A merge patch keeps keys it does not name: an instance scaled away would leave its
+    LMCache config in the member's ConfigMap (a real API server does the same)."""
+    children = planned().create
+    lmcache = next(c for c in children if c["metadata"]["name"] == "demo-p2p-lmcache")
+    stale = {**lmcache, "data": {**lmcache["data"], "demo-p2p-9.yaml": "old: 1\n"}}
+    rest = [c for c in children if c is not lmcache]
+    (current, patch), *_ = planned([*rest, stale]).patch
+    assert current["metadata"]["name"] == "demo-p2p-lmcache"
+    assert patch["data"]["demo-p2p-9.yaml"] is None
+    assert patch["data"]["demo-p2p-0.yaml"] == lmcache["data"]["demo-p2p-0.yaml"]
+
+
 def test_invalid_domain_writes_no_child_and_reports_each_resource() -> None:
     pool, p2p, pd = demo_docs()
     pool["spec"]["tiers"] = {"disk": {"path": "/kv", "size": "1Gi"}}

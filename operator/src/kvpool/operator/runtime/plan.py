@@ -146,8 +146,17 @@ def _key(obj: Obj) -> tuple[str, str]:
     return obj["kind"], obj["metadata"]["name"]
 
 
+def _stale_data(obj: Obj, current: Obj) -> dict[str, None]:
+    """Keys of a rendered ConfigMap's ``data`` the live object still has but the render no
+    longer does (an instance scaled away): a merge patch removes them only when named null."""
+    if obj.get("kind") != "ConfigMap":
+        return {}
+    return {k: None for k in (current.get("data") or {}) if k not in (obj.get("data") or {})}
+
+
 def diff_children(desired: list[Obj], existing: list[Obj], plan: Plan) -> None:
-    """Create what is missing, patch what differs, prune what carries our labels but is gone."""
+    """Create what is missing, patch what differs (a ConfigMap's data to exactly the render),
+    prune what carries our labels but is gone."""
     have = {_key(o): o for o in existing}
     want = {_key(o) for o in desired}
     for obj in desired:
@@ -155,7 +164,11 @@ def diff_children(desired: list[Obj], existing: list[Obj], plan: Plan) -> None:
         body = {k: v for k, v in obj.items() if k != "status"}
         if current is None:
             plan.create.append(obj)
-        elif not subset(body, current):
+            continue
+        stale = _stale_data(obj, current)
+        if stale:
+            body["data"] = {**(body.get("data") or {}), **stale}
+        if stale or not subset(body, current):
             plan.patch.append((current, body))
     for key, obj in sorted(have.items()):
         if key not in want and not obj["metadata"].get("deletionTimestamp"):
