@@ -124,6 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvpool.operator.runtime.main import main as run  # noqa: PLC0415 (kopf on demand)
 
         return run(given[1:])
+    if given[:1] == ["cluster"]:  # the local control plane (kmock, the kubelet): on demand
+        from kvpool.operator.cluster.main import main as cluster  # noqa: PLC0415
+
+        return cluster(given[1:])
     parser = argparse.ArgumentParser(
         prog="kvpool-operator", description="Validate and render kvpool cache domains offline."
     )
@@ -132,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     v.add_argument("-f", "--filename", action="append", required=True, help=_FILE_HELP)
     v.add_argument("-R", "--recursive", action="store_true", help="read -f directories deeply")
     sub.add_parser("run", help="run the operator in a cluster (kopf; see run --help)")
+    sub.add_parser(
+        "cluster", help="a local Kubernetes control plane for one machine (see cluster --help)"
+    )
     r = sub.add_parser("render", help="print the Kubernetes objects the operator would create")
     r.add_argument("-f", "--filename", action="append", required=True, help=_FILE_HELP)
     r.add_argument("-R", "--recursive", action="store_true", help="read -f directories deeply")

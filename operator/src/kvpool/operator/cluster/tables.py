@@ -247,6 +247,30 @@ BUILTIN: dict[str, list[Column]] = {
         ),
         _age_column(),
     ],
+    "Node": [
+        Column(
+            "Status",
+            "string",
+            lambda o, _n: "Ready"
+            if any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in jsonpath(o, ".status.conditions") or []
+            )
+            else "NotReady",
+        ),
+        Column(
+            "Roles",
+            "string",
+            lambda o, _n: ",".join(
+                k.split("/", 1)[1]
+                for k in (o["metadata"].get("labels") or {})
+                if k.startswith("node-role.kubernetes.io/")
+            )
+            or "<none>",
+        ),
+        _age_column(),
+        Column("Version", "string", _get(".status.nodeInfo.kubeletVersion")),
+    ],
     "CustomResourceDefinition": [
         Column("Created At", "date", lambda o, _n: o["metadata"].get("creationTimestamp")),
     ],

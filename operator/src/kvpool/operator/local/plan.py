@@ -64,6 +64,7 @@ class Workload:
     cpu: str | None = None
     secret_env: dict[str, tuple[str, str]] = field(default_factory=dict)  # -> (secret, key)
     labels: dict[str, str] = field(default_factory=dict)  # the workload's metadata labels
+    dirs: dict[str, str] = field(default_factory=dict)  # emptyDir mount path -> volume name
 
     @property
     def simulated(self) -> bool:
@@ -80,48 +81,75 @@ def workloads(objects: Sequence[Obj]) -> dict[str, Workload]:
     configmaps = {o["metadata"]["name"]: o.get("data", {}) for o in _by_kind(objects, "ConfigMap")}
     out: dict[str, Workload] = {}
     for obj in _by_kind(objects, "Deployment") + _by_kind(objects, "StatefulSet"):
-        pod = obj["spec"]["template"]["spec"]
-        (container,) = pod["containers"]
-        volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        env: dict[str, str] = {}
-        field_env: dict[str, str] = {}
-        secret_env: dict[str, tuple[str, str]] = {}
-        for item in container.get("env", []):
-            if "value" in item:
-                env[item["name"]] = str(item["value"])
-            elif "secretKeyRef" in item.get("valueFrom", {}):
-                ref = item["valueFrom"]["secretKeyRef"]
-                secret_env[item["name"]] = (str(ref["name"]), str(ref.get("key", "")))
-            else:
-                ref = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-                if ref is None:
-                    raise StackError(f"{obj['metadata']['name']}: env {item['name']}: unsupported")
-                field_env[item["name"]] = ref
-        files: dict[str, str] = {}
-        for mount in container.get("volumeMounts", []):
-            source = volumes.get(mount["name"], {}).get("configMap")
-            if source is None:
-                continue
-            data = configmaps[source["name"]]
-            items = source.get("items") or [{"key": k, "path": k} for k in sorted(data)]
-            for it in items:
-                files[f"{mount['mountPath'].rstrip('/')}/{it['path']}"] = data[it["key"]]
-        probe = container.get("readinessProbe", {}).get("httpGet")
         name = obj["metadata"]["name"]
-        out[name] = Workload(
-            name=name,
-            component=obj["metadata"]["labels"].get("kvpool.io/component", "?"),
-            argv=[str(a) for a in container["command"] + container.get("args", [])],
-            env=env,
-            field_env=field_env,
-            ports={p["name"]: int(p["containerPort"]) for p in container.get("ports", [])},
-            files=files,
-            readiness=(probe["path"], int(probe["port"])) if probe else None,
-            cpu=container.get("resources", {}).get("requests", {}).get("cpu"),
-            secret_env=secret_env,
-            labels=dict(obj["metadata"].get("labels", {})),
-        )
+        labels = dict(obj["metadata"].get("labels", {}))
+        out[name] = workload_of(name, labels, obj["spec"]["template"]["spec"], configmaps)
     return out
+
+
+def workload_of(
+    name: str, labels: Mapping[str, str], pod: Obj, configmaps: Mapping[str, Mapping[str, str]]
+) -> Workload:
+    """The first container of a pod spec as the pod would run it (``configmaps``: the data of
+    every ConfigMap its volumes may name). Also what ``kvpool-operator cluster``'s kubelet
+    runs for each pod."""
+    (container,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    env: dict[str, str] = {}
+    field_env: dict[str, str] = {}
+    secret_env: dict[str, tuple[str, str]] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = str(item["value"])
+        elif "secretKeyRef" in item.get("valueFrom", {}):
+            ref = item["valueFrom"]["secretKeyRef"]
+            secret_env[item["name"]] = (str(ref["name"]), str(ref.get("key", "")))
+        else:
+            ref = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            if ref is None:
+                raise StackError(f"{name}: env {item['name']}: unsupported")
+            field_env[item["name"]] = ref
+    files: dict[str, str] = {}
+    dirs: dict[str, str] = {}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes.get(mount["name"], {})
+        if "emptyDir" in volume:
+            dirs[mount["mountPath"].rstrip("/")] = mount["name"]
+            continue
+        source = volume.get("configMap")
+        if source is None:
+            continue
+        if source["name"] not in configmaps:
+            raise StackError(
+                f"{name}: ConfigMap {source['name']} (volume {mount['name']}) does not exist"
+            )
+        data = configmaps[source["name"]]
+        items = source.get("items") or [{"key": k, "path": k} for k in sorted(data)]
+        for it in items:
+            files[f"{mount['mountPath'].rstrip('/')}/{it['path']}"] = data[it["key"]]
+    ports = {
+        p.get("name", str(p["containerPort"])): int(p["containerPort"])
+        for p in container.get("ports", [])
+    }
+    probe = container.get("readinessProbe", {}).get("httpGet")
+    readiness = None
+    if probe:
+        port = probe["port"]
+        readiness = (str(probe.get("path", "/")), int(ports.get(str(port), port)))
+    return Workload(
+        name=name,
+        component=labels.get("kvpool.io/component", "?"),
+        argv=[str(a) for a in container["command"] + container.get("args", [])],
+        env=env,
+        field_env=field_env,
+        ports=ports,
+        files=files,
+        readiness=readiness,
+        cpu=container.get("resources", {}).get("requests", {}).get("cpu"),
+        secret_env=secret_env,
+        labels=dict(labels),
+        dirs=dirs,
+    )
 
 
 # --------------------------------------------------------------------------- the cluster map
@@ -170,30 +198,43 @@ def named_services(pool: KVCachePool) -> list[NamedService]:
     return list(out.values())
 
 
+def _template_ports(obj: Obj) -> dict[str, int]:
+    (container, *_) = obj["spec"]["template"]["spec"]["containers"]
+    return {
+        p.get("name", str(p["containerPort"])): int(p["containerPort"])
+        for p in container.get("ports", [])
+    }
+
+
 def cluster_map(
-    objects: Sequence[Obj], allocate: Allocate, services: Sequence[NamedService] = ()
+    objects: Sequence[Obj],
+    allocate: Allocate,
+    services: Sequence[NamedService] = (),
+    known: Mapping[int, int] | None = None,
 ) -> ClusterMap:
     """DNS names of every Service (and StatefulSet pod), a local port per container port, and
-    one per named service."""
-    loads = workloads(objects)
+    one per named service; ``known``: container ports already mapped (kept as they are: the
+    cluster's kubelet maps a namespace's ports once, as its pods come and go)."""
     pods = {
         o["metadata"]["name"]: o
         for o in _by_kind(objects, "Deployment") + _by_kind(objects, "StatefulSet")
     }
+    ports_of = {name: _template_ports(o) for name, o in pods.items()}
     container_ports: dict[int, str] = {}
-    for w in loads.values():
-        for number in w.ports.values():
+    for name, ports in ports_of.items():
+        for number in ports.values():
             if number in container_ports:
                 raise StackError(
-                    f"container port {number} is used by {container_ports[number]} and {w.name}; "
+                    f"container port {number} is used by {container_ports[number]} and {name}; "
                     "the local stack needs distinct ports across the domain"
                 )
-            container_ports[number] = w.name
-    local: dict[int, int] = {}
+            container_ports[number] = name
+    local: dict[int, int] = {p: q for p, q in (known or {}).items() if p in container_ports}
+    taken = set((known or {}).values())
     external: dict[tuple[str, int], int] = {}
     while len(local) + len(external) < len(container_ports) + len(services):
         port = allocate()
-        if port in local.values() or port in external.values():
+        if port in taken or port in local.values() or port in external.values():
             continue
         if len(local) < len(container_ports):
             local[sorted(set(container_ports) - set(local))[0]] = port
@@ -205,7 +246,7 @@ def cluster_map(
         meta, spec = svc["metadata"], svc["spec"]
         selector = spec.get("selector", {})
         targets = [
-            loads[n]
+            ports_of[n]
             for n, o in pods.items()
             if selector.items() <= o["spec"]["template"]["metadata"]["labels"].items()
         ]
@@ -222,7 +263,7 @@ def cluster_map(
             target = sp.get("targetPort", sp["port"])
             target_port: int | None = target if isinstance(target, int) else None
             if target_port is None and len(targets) == 1:
-                target_port = targets[0].ports.get(str(target))
+                target_port = targets[0].get(str(target))
             if target_port is None:
                 continue  # a named port over several workloads: not addressed by one number
             for host in names:
@@ -314,6 +355,22 @@ class LocalWorkload:
     file_map: dict[str, str]  # mounted path -> local path
     ports: dict[str, int]  # container port name -> local port
     readiness: tuple[str, int] | None  # path, local port
+    dir_map: dict[str, str] = field(default_factory=dict)  # emptyDir mount path -> local dir
+
+
+def _mount(value: str, file_map: Mapping[str, str], dir_map: Mapping[str, str]) -> str | None:
+    """Where a mounted path (a ConfigMap file, or a path under an emptyDir) is here."""
+    if value in file_map:
+        return file_map[value]
+    for mount, local in dir_map.items():
+        if value == mount or value.startswith(mount + "/"):
+            return local + value[len(mount) :]
+    return None
+
+
+#: What the pod's downward API gives a process here (``kvpool-operator up``: the pod IP only;
+#: ``kvpool-operator cluster``'s kubelet adds the pod's name, namespace, node...).
+LOCAL_FIELDS = {"status.podIP": LOOPBACK}
 
 
 def localize(
@@ -321,25 +378,33 @@ def localize(
     cmap: ClusterMap,
     root: Path,
     secrets: Mapping[tuple[str, str], str] | None = None,
+    fields: Mapping[str, str] = LOCAL_FIELDS,
 ) -> LocalWorkload:
     """Apply exactly the cluster-provided rewrites to one workload (``root``: where its files
-    go; ``secrets``: the value of each (Secret, key) the pod reads, which a cluster holds)."""
+    go; ``secrets``: the value of each (Secret, key) the pod reads, which a cluster holds;
+    ``fields``: the value of each downward-API ``fieldRef``)."""
     file_map = {path: str(root / Path(path).name) for path in sorted(w.files)}
+    dir_map = {path: str(root / "volumes" / volume) for path, volume in sorted(w.dirs.items())}
+
+    def value_of(key: str, value: str) -> str:
+        mounted = _mount(value, file_map, dir_map)
+        return mounted if mounted is not None else str(_by_key(key, value, cmap))
+
     argv = list(w.argv)
     for i, arg in enumerate(argv):
         flag = argv[i - 1] if i else ""
-        if arg in file_map:
-            argv[i] = file_map[arg]  # a mounted file named on the command line
+        if _mount(arg, file_map, dir_map) is not None:
+            argv[i] = str(_mount(arg, file_map, dir_map))  # a mounted path on the command line
         elif arg.startswith("-") and "=" in arg:  # --flag=value (gflags style)
             name, _, value = arg.partition("=")
-            argv[i] = f"{name}={file_map.get(value, _by_key(name, value, cmap))}"
+            argv[i] = f"{name}={value_of(name, value)}"
         elif i and flag.startswith("--") and "=" not in flag and not arg.startswith("--"):
             argv[i] = _by_key(flag, arg, cmap)
-    env = {k: file_map.get(v, _by_key(k, v, cmap)) for k, v in w.env.items()}
+    env = {k: value_of(k, v) for k, v in w.env.items()}
     for key, ref in w.field_env.items():
-        if ref != "status.podIP":
+        if ref not in fields:
             raise StackError(f"{w.name}: env {key} comes from {ref}, which has no local value")
-        env[key] = LOOPBACK
+        env[key] = fields[ref]
     pod = {k: env[k] for k in w.field_env}
     env = {k: expand_env(v, pod) for k, v in env.items()}  # the kubelet's $(VAR)
     for key, secret in w.secret_env.items():
@@ -354,7 +419,18 @@ def localize(
         files[file_map[path]] = yaml.safe_dump(_by_key("", data, cmap), sort_keys=True)
     ready = (w.readiness[0], cmap.ports[w.readiness[1]]) if w.readiness else None
     ports = {n: cmap.ports[p] for n, p in w.ports.items()}
-    return LocalWorkload(w.name, w.component, argv, env, files, file_map, ports, ready)
+    return LocalWorkload(w.name, w.component, argv, env, files, file_map, ports, ready, dir_map)
+
+
+_CLUSTER_NAME = re.compile(r"\b[a-z0-9][-a-z0-9.]*\.svc(?:\.cluster\.local)?\b")
+
+
+def unresolved(lw: LocalWorkload) -> list[str]:
+    """Cluster DNS names left in a localized workload (argv, env, mounted files): names no
+    Service known to the map answered for. ``kvpool-operator cluster``'s kubelet waits for
+    their Services rather than start a process that could never reach them."""
+    text = "\n".join([*lw.argv, *lw.env.values(), *lw.files.values()])
+    return sorted(set(_CLUSTER_NAME.findall(text)))
 
 
 _ENV_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
@@ -384,17 +460,23 @@ def _changes(old: Any, new: Any, path: str) -> Iterator[tuple[str, Any, Any]]:
         yield path, old, new
 
 
-def _allowed(old: Any, new: Any, cmap: ClusterMap, files: Mapping[str, str]) -> bool:
+def _allowed(
+    old: Any,
+    new: Any,
+    cmap: ClusterMap,
+    files: Mapping[str, str],
+    dirs: Mapping[str, str] | None = None,
+) -> bool:
     if isinstance(old, int | str) and str(old).isdigit():
         return bool(str(new).isdigit() and int(new) == cmap.ports.get(int(old), -1))
-    if isinstance(old, str) and old in files:
-        return bool(new == files[old])
+    if isinstance(old, str) and _mount(old, files, dirs or {}) is not None:
+        return bool(new == _mount(old, files, dirs or {}))
     if not isinstance(old, str) or not isinstance(new, str):
         return False
     if old.startswith("-") and "=" in old:
         name, _, value = old.partition("=")
         new_name, _, new_value = new.partition("=")
-        return name == new_name and _allowed(value, new_value, cmap, files)
+        return name == new_name and _allowed(value, new_value, cmap, files, dirs)
     a, b = _split(old), _split(new)
     if a is None or b is None or (a[0], a[3]) != (b[0], b[3]):
         return False
@@ -429,7 +511,7 @@ def check_rewrite(w: Workload, lw: LocalWorkload, cmap: ClusterMap) -> list[str]
     pairs = [(w.argv, lw.argv, "argv"), (env_old, env_new, "env"), (old_files, new_files, "files")]
     for old, new, where in pairs:
         for path, a, b in _changes(old, new, where):
-            if not _allowed(a, b, cmap, lw.file_map):
+            if not _allowed(a, b, cmap, lw.file_map, lw.dir_map):
                 raise StackError(f"{w.name}: {path}: {a!r} -> {b!r} is not a cluster rewrite")
             seen.append(f"{path}: {a!r} -> {b!r}")
     for key in w.field_env:

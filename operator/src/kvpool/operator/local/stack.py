@@ -23,12 +23,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvpool.operator.local.plan import (
+    LOCAL_FIELDS,
     LOOPBACK,
     ClusterMap,
     LocalWorkload,
@@ -151,6 +152,7 @@ class LocalStack:
         *,
         edit: Callable[[Workload], None] | None = None,
         as_name: str | None = None,
+        fields: Mapping[str, str] = LOCAL_FIELDS,
     ) -> LocalWorkload:
         """The local form of one workload, checked against the render by ``check_rewrite``.
 
@@ -162,7 +164,7 @@ class LocalStack:
         w = copy.deepcopy(self.rendered[name])
         if edit is not None:
             edit(w)
-        lw = localize(w, self.cmap, self.root / (as_name or name), self.secrets)
+        lw = localize(w, self.cmap, self.root / (as_name or name), self.secrets, fields)
         lw.name = as_name or name
         self.rewrites[lw.name] = check_rewrite(w, lw, self.cmap)
         if w.cpu is not None and w.cpu.isdigit():
@@ -364,6 +366,18 @@ def pid_alive(pid: int) -> bool:
     except OSError:  # no procfs: signal 0 is all there is to go by
         return True
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+def terminate(pid: int, grace_s: float) -> None:
+    """SIGTERM one process (a supervisor: it stops its own children) and wait up to
+    ``grace_s`` for it to exit."""
+    if not pid_alive(pid):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def stop_group(

@@ -109,7 +109,9 @@ async def _deregister(rt: Runtime, member: Obj) -> None:
     url = rt.settings.controller_url.format(service=target.service, namespace=ns, port=target.port)
     timeout = aiohttp.ClientTimeout(total=rt.settings.controller_timeout)
     failed: list[str] = []
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # trust_env: an HTTP proxy in the pod's environment (a cluster's egress proxy, or the
+    # service proxy of `kvpool-operator cluster`) is used, as Go clients do; NO_PROXY exempts.
+    async with aiohttp.ClientSession(timeout=timeout, trust_env=True) as http:
         for iid in target.instance_ids:
             try:
                 async with http.post(f"{url}/v1/deregister", json={"instance_id": iid}) as resp:

@@ -1,0 +1,460 @@
+"""The kubelet of ``kvpool-operator cluster``: every pod bound to the node runs as a local process.
+
+Why: the operator's children only mean something when they run. This kubelet runs each pod
+through ``kvpool-operator up``'s runner (``local.plan`` + ``local.stack``): the container's
+command and env as rendered, its ConfigMap files and emptyDir volumes under the pod's
+directory, its Secrets' values, the downward API (pod IP 127.0.0.1, name, namespace, node, service
+account), and every cluster address (Service and pod DNS names, container ports) rewritten to
+127.0.0.1 and a local port, checked by ``check_rewrite`` to be nothing but that. It probes the
+rendered readiness probe and writes the pod's status (Ready, restarts, the last exit code,
+CrashLoopBackOff), restarts a process that exits (``restartPolicy: Always``, doubling backoff),
+stops the process when the pod is deleted (SIGTERM, SIGKILL after the grace period) and then
+completes the deletion. A pod reaches the API server through a kubeconfig holding its service
+account's token, and ``*.svc`` HTTP names through the cluster's service proxy (``HTTP_PROXY``).
+
+One machine means one network namespace: every pod of a namespace shares its ports, so two pods
+whose containers use the same port cannot run together; the second one waits (PortsInUse).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvpool.operator.cluster import workloads
+from kvpool.operator.cluster.store import Obj, Res, Store, StoreError, now_stamp
+from kvpool.operator.local.plan import (
+    LOOPBACK,
+    StackError,
+    cluster_map,
+    unresolved,
+    workload_of,
+)
+from kvpool.operator.local.stack import LocalStack, Running, free_port
+
+log = logging.getLogger(__name__)
+PODS = Res("", "v1", "pods")
+SERVICES = Res("", "v1", "services")
+CONFIGMAPS = Res("", "v1", "configmaps")
+SECRETS = Res("", "v1", "secrets")
+STATEFULSETS = Res("apps", "v1", "statefulsets")
+DEPLOYMENTS = Res("apps", "v1", "deployments")
+MAX_GRACE_S = 30.0
+
+
+@dataclass
+class PodRun:
+    """One pod on this node: what runs for it and what its status says."""
+
+    namespace: str
+    name: str
+    uid: str
+    container: workloads.Container
+    container_ports: set[int] = field(default_factory=set)
+    probe: tuple[str, int] | None = None  # readiness GET path, local port
+    period_s: float = 5.0
+    failure_threshold: int = 3
+    failures: int = 0
+    next_probe: float = 0.0
+    next_try: float = 0.0  # a pod that could not start is tried again from then
+    stopping: bool = False
+    exited_seen: bool = False
+
+
+@dataclass
+class Kubelet:
+    """Runs the node's pods; ``token_for(namespace, service account)`` issues API tokens."""
+
+    store: Store
+    root: Path
+    api_url: str
+    proxy_url: str
+    token_for: Callable[[str, str], str]
+    runs: dict[str, PodRun] = field(default_factory=dict)  # by pod uid
+    stacks: dict[str, LocalStack] = field(default_factory=dict)  # by namespace
+    ports: dict[str, dict[int, int]] = field(default_factory=dict)  # namespace -> port map
+    dirty: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _http: aiohttp.ClientSession | None = None
+
+    def start(self) -> None:
+        self.store.listeners.append(self._changed)
+
+    def _changed(self, res: Res, _etype: str, _obj: Obj) -> None:
+        if res in (PODS, SERVICES, CONFIGMAPS, SECRETS):
+            self.dirty.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sync after every change and probe every few hundred milliseconds until ``stop``."""
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.dirty.wait(), 0.3)
+                self.dirty.clear()
+                try:
+                    self.sync()
+                    await self.probe()
+                except Exception:  # a bug must not stop the node: log it, go on
+                    log.exception("kubelet pass failed")
+        finally:
+            await self._http.close()
+
+    # -- pods ------------------------------------------------------------------------------------
+    def stack(self, namespace: str) -> LocalStack:
+        if namespace not in self.stacks:
+            self.stacks[namespace] = LocalStack([], self.root / namespace)
+        return self.stacks[namespace]
+
+    def sync(self) -> None:
+        """Start pods bound here, stop deleted ones, restart exited processes, report."""
+        pods = {
+            p["metadata"]["uid"]: p
+            for p in self.store.list(PODS)
+            if (p.get("spec") or {}).get("nodeName") == workloads.NODE
+        }
+        for uid, running in list(self.runs.items()):
+            if uid not in pods and not running.stopping:
+                self._stop(running, delete=False)
+        for uid, pod in pods.items():
+            run = self.runs.get(uid)
+            if pod["metadata"].get("deletionTimestamp"):
+                if run is not None and not run.stopping:
+                    self._stop(
+                        run,
+                        delete=True,
+                        grace=float(pod["metadata"].get("deletionGracePeriodSeconds", 30)),
+                    )
+                elif run is None:
+                    self._finish_delete(pod["metadata"]["namespace"], pod["metadata"]["name"], uid)
+                continue
+            waiting = run is not None and run.container.pid is None
+            if run is None or (waiting and time.monotonic() >= run.next_try):
+                self._start(pod, run)
+        for stack in self.stacks.values():
+            stack.supervise()
+        for run in self.runs.values():
+            self._observe(run)
+
+    def _start(self, pod: Obj, previous: PodRun | None) -> None:
+        meta, spec = pod["metadata"], pod["spec"]
+        ns, name = meta["namespace"], meta["name"]
+        (container, *_) = spec["containers"]
+        run = previous or PodRun(
+            ns,
+            name,
+            meta["uid"],
+            workloads.Container(container["name"], str(container.get("image", "")), "waiting"),
+        )
+        self.runs[meta["uid"]] = run
+        probe = container.get("readinessProbe") or {}
+        run.period_s = float(probe.get("periodSeconds", 10))
+        run.failure_threshold = int(probe.get("failureThreshold", 3))
+        run.container_ports = {int(p["containerPort"]) for p in container.get("ports", [])}
+        holder = self._port_holder(run)
+        if holder is not None:
+            self._wait(
+                run,
+                "PortsInUse",
+                f"container port(s) {sorted(run.container_ports)} are "
+                f"held by pod {holder} (one machine: the pods of a namespace share "
+                "127.0.0.1)",
+            )
+            return
+        try:
+            stack = self.stack(ns)
+            configmaps = {
+                c["metadata"]["name"]: c.get("data") or {} for c in self.store.list(CONFIGMAPS, ns)
+            }
+            labels = dict(meta.get("labels") or {})
+            stack.rendered[name] = workload_of(name, labels, spec, configmaps)
+            stack.cmap = self._cluster_map(ns)
+            self._secrets(stack, ns)
+            fields = {
+                "status.podIP": LOOPBACK,
+                "status.hostIP": LOOPBACK,
+                "metadata.name": name,
+                "metadata.namespace": ns,
+                "metadata.uid": meta["uid"],
+                "spec.nodeName": workloads.NODE,
+                "spec.serviceAccountName": str(spec.get("serviceAccountName", "default")),
+            }
+            lw = stack.prepare(name, fields=fields)
+        except (StackError, KeyError, ValueError) as exc:
+            self._wait(run, "CreateContainerConfigError", str(exc).splitlines()[0])
+            return
+        missing = unresolved(lw)
+        if missing:  # a Service not created yet: this process could never reach it
+            self._wait(run, "ContainerCreating", f"waiting for the Service of {missing[0]}")
+            return
+        lw.env.update(self._pod_env(ns, name, str(spec.get("serviceAccountName", "default"))))
+        try:
+            proc = stack.start(lw, run.container.restarts)
+        except (StackError, OSError) as exc:
+            self._wait(run, "RunContainerError", str(exc))
+            return
+        run.probe = lw.readiness
+        run.container.state, run.container.reason, run.container.message = "running", "", ""
+        run.container.pid, run.container.started_at = proc.proc.pid, now_stamp()
+        run.next_probe = 0.0
+        log.info("pod %s/%s started (pid %d)", ns, name, proc.proc.pid)
+        self._report(run)
+
+    def _port_holder(self, run: PodRun) -> str | None:
+        for other in self.runs.values():
+            if (
+                other is not run
+                and other.namespace == run.namespace
+                and not other.stopping
+                and other.container.pid is not None
+                and other.container_ports & run.container_ports
+            ):
+                return other.name
+        return None
+
+    def _cluster_map(self, ns: str) -> Any:
+        objects = (
+            self.store.list(SERVICES, ns)
+            + self.store.list(STATEFULSETS, ns)
+            + self.store.list(DEPLOYMENTS, ns)
+        )
+        known = self.ports.setdefault(ns, {})
+        cmap = cluster_map(objects, free_port, (), known)
+        known.update(cmap.ports)
+        return cmap
+
+    def _secrets(self, stack: LocalStack, ns: str) -> None:
+        for secret in self.store.list(SECRETS, ns):
+            for key, value in (secret.get("data") or {}).items():
+                with contextlib.suppress(ValueError):
+                    stack.secrets[(secret["metadata"]["name"], key)] = base64.b64decode(
+                        value
+                    ).decode()
+
+    def _pod_env(self, ns: str, name: str, account: str) -> dict[str, str]:
+        """What a pod gets from the cluster rather than its spec: API credentials (its service
+        account's token in a kubeconfig) and the service proxy for ``*.svc`` names."""
+        path = self.root / ns / name / "serviceaccount" / "kubeconfig"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            kubeconfig(
+                self.api_url,
+                self.token_for(ns, account),
+                ns,
+                f"system:serviceaccount:{ns}:{account}",
+            ),
+            encoding="utf-8",
+        )
+        os.chmod(path, 0o600)
+        return {
+            "KUBECONFIG": str(path),
+            "KUBERNETES_SERVICE_HOST": LOOPBACK,
+            "KUBERNETES_SERVICE_PORT": self.api_url.rsplit(":", 1)[-1],
+            "HTTP_PROXY": self.proxy_url,
+            "http_proxy": self.proxy_url,
+            "NO_PROXY": "127.0.0.1,localhost,::1",
+            "no_proxy": "127.0.0.1,localhost,::1",
+        }
+
+    def _wait(self, run: PodRun, reason: str, message: str) -> None:
+        run.next_try = time.monotonic() + 1.0
+        run.container.state, run.container.reason, run.container.message = (
+            "waiting",
+            reason,
+            message,
+        )
+        run.container.pid, run.container.ready = None, False
+        self._report(run)
+
+    def _observe(self, run: PodRun) -> None:
+        """Notice an exit (CrashLoopBackOff until the stack restarts it) or a restart."""
+        if run.stopping or run.container.pid is None:
+            return
+        current = self.stack(run.namespace).running.get(run.name)
+        if current is None:
+            return
+        if current.proc.poll() is not None and not run.exited_seen:
+            run.exited_seen = True
+            run.container.last_exit = current.proc.returncode
+            run.container.finished_at = now_stamp()
+            run.container.state, run.container.reason, run.container.ready = (
+                "waiting",
+                "CrashLoopBackOff",
+                False,
+            )
+            run.container.message = f"back-off restarting failed container {run.container.name}"
+            self._report(run)
+        elif current.proc.poll() is None and current.proc.pid != run.container.pid:
+            run.exited_seen = False
+            run.container.restarts = current.restarts
+            run.container.pid, run.container.started_at = current.proc.pid, now_stamp()
+            run.container.state, run.container.reason, run.container.message = "running", "", ""
+            run.failures, run.next_probe = 0, 0.0
+            self._report(run)
+
+    def _stop(self, run: PodRun, delete: bool, grace: float = 30.0) -> None:
+        run.stopping = True
+        stack = self.stack(run.namespace)
+
+        async def stop() -> None:
+            await asyncio.to_thread(stack.stop, run.name, min(grace, MAX_GRACE_S))
+            self.runs.pop(run.uid, None)
+            if delete:
+                self._finish_delete(run.namespace, run.name, run.uid)
+            self.dirty.set()
+
+        task = asyncio.get_running_loop().create_task(stop())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _finish_delete(self, ns: str, name: str, uid: str) -> None:
+        pod = self.store.find(PODS, ns, name)
+        if pod is not None and pod["metadata"].get("uid") == uid:
+            with contextlib.suppress(StoreError):
+                self.store.delete(PODS, ns, name, grace=0)
+
+    # -- readiness -------------------------------------------------------------------------------
+    async def probe(self) -> None:
+        now = time.monotonic()
+        due = [
+            r
+            for r in self.runs.values()
+            if r.container.state == "running" and not r.stopping and now >= r.next_probe
+        ]
+        await asyncio.gather(*(self._probe(r, now) for r in due))
+
+    async def _probe(self, run: PodRun, now: float) -> None:
+        if run.probe is None:
+            ready = True  # no readiness probe: Ready once running, as in Kubernetes
+        else:
+            ready = await self._get(run.probe[1], run.probe[0])
+        # Until Ready, probe often (a pod is not waited on for a whole period); then by period.
+        run.next_probe = now + (run.period_s if ready or run.container.ready else 0.5)
+        if ready:
+            run.failures = 0
+        else:
+            run.failures += 1
+            if run.container.ready and run.failures < run.failure_threshold:
+                return
+        if ready != run.container.ready:
+            run.container.ready = ready
+            self._report(run)
+
+    async def _get(self, port: int, path: str) -> bool:
+        assert self._http is not None
+        try:
+            async with self._http.get(f"http://{LOOPBACK}:{port}{path}") as resp:
+                return 200 <= resp.status < 400
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    def _report(self, run: PodRun) -> None:
+        pod = self.store.find(PODS, run.namespace, run.name)
+        if pod is None or pod["metadata"].get("uid") != run.uid:
+            return
+        status = workloads.pod_status(run.container, pod.get("status"), now_stamp())
+        if status == pod.get("status"):
+            return
+        with contextlib.suppress(StoreError):
+            self.store.replace(PODS, pod, {**pod, "status": status}, status=True)
+
+    # -- services ----------------------------------------------------------------------------------
+    async def resolve(self, ns: str, service: str, port: str) -> tuple[str, int] | None:
+        """A ready backend of a Service port (by name or number; "" = the first port)."""
+        svc = self.store.find(SERVICES, ns, service)
+        if svc is None:
+            return None
+        ports = (svc.get("spec") or {}).get("ports") or []
+        sp = next((p for p in ports if port in ("", str(p.get("name")), str(p["port"]))), None)
+        if sp is None:
+            return None
+        target = sp.get("targetPort", sp["port"])
+        selector = (svc.get("spec") or {}).get("selector") or {}
+        candidates = []
+        for run in self.runs.values():
+            pod = self.store.find(PODS, run.namespace, run.name)
+            if run.namespace != ns or pod is None or run.container.pid is None:
+                continue
+            if selector and selector.items() <= (pod["metadata"].get("labels") or {}).items():
+                candidates.append((not run.container.ready, run, pod))
+        for _not_ready, _run, pod in sorted(candidates, key=lambda c: c[0]):
+            number = (
+                target
+                if isinstance(target, int)
+                else next(
+                    (
+                        int(p["containerPort"])
+                        for p in pod["spec"]["containers"][0].get("ports", [])
+                        if p.get("name") == target
+                    ),
+                    None,
+                )
+            )
+            local = self.ports.get(ns, {}).get(int(number)) if number is not None else None
+            if local is not None:
+                return LOOPBACK, local
+        return None
+
+    def pod_log(self, ns: str, name: str) -> str | None:
+        """The pod's log (``kubectl logs``): its process's output, the last megabyte."""
+        stack = self.stacks.get(ns)
+        run: Running | None = stack.running.get(name) if stack is not None else None
+        if run is None:
+            return None
+        with contextlib.suppress(OSError):
+            return run.log.read_text(errors="replace")[-1_000_000:]
+        return None
+
+    def endpoints(self) -> dict[str, Any]:
+        """What runs where: each pod's pid, local ports and owner, per namespace."""
+        out: dict[str, Any] = {}
+        for run in self.runs.values():
+            stack = self.stacks.get(run.namespace)
+            proc = stack.running.get(run.name) if stack else None
+            pod = self.store.find(PODS, run.namespace, run.name) or {}
+            owner = next(
+                (
+                    r["name"]
+                    for r in pod.get("metadata", {}).get("ownerReferences") or []
+                    if r.get("controller")
+                ),
+                run.name,
+            )
+            out.setdefault(run.namespace, {})[run.name] = {
+                "owner": owner,
+                "pid": proc.proc.pid if proc else None,
+                "ports": dict(proc.workload.ports) if proc else {},
+                "ready": run.container.ready,
+                "log": str(proc.log) if proc else None,
+            }
+        return out
+
+    async def close(self) -> None:
+        """Stop every pod's process (each namespace's stack in reverse start order)."""
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for stack in self.stacks.values():
+            await asyncio.to_thread(stack.close, 15.0)
+
+
+def kubeconfig(server: str, token: str, namespace: str, user: str) -> str:
+    """A kubeconfig for one client of this cluster (plain HTTP on 127.0.0.1, bearer token)."""
+    return (
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters:\n- name: kvpool-local\n  cluster:\n    server: {server}\n"
+        f"users:\n- name: {user}\n  user:\n    token: {token}\n"
+        f"contexts:\n- name: kvpool-local\n  context:\n    cluster: kvpool-local\n"
+        f"    user: {user}\n    namespace: {namespace}\n"
+        "current-context: kvpool-local\n"
+    )
