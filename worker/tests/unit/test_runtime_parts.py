@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
-from kvpool.worker.memory_api import EvictRequest, PrefixSelector, SessionStore, session_of
+from kvpool.protocol.http_api import session_of
+from kvpool.worker.memory_api import EvictRequest, PrefixSelector, SessionStore
 from kvpool.worker.metrics import RateWindow, engine_families
 from kvpool.worker.openai_models import ChatCompletionRequest, CompletionRequest, usage
 

@@ -13,6 +13,7 @@ from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, model_validator
 
 from kvpool.controller.routes_lmcache import server_of
+from kvpool.protocol.http_api import PREFIX_LOOKUP_ONE_OF, PREFIX_LOOKUP_PATH, prefix_lookup_reply
 
 
 class DeregisterRequest(BaseModel):
@@ -27,14 +28,14 @@ class PrefixLookupRequest(BaseModel):
     @model_validator(mode="after")
     def _one_of(self) -> PrefixLookupRequest:
         if (self.hashes is None) == (self.tokens is None):
-            raise ValueError("give exactly one of 'hashes' (chunk hashes) or 'tokens' (token ids)")
+            raise ValueError(PREFIX_LOOKUP_ONE_OF)
         return self
 
 
 router = APIRouter()
 
 
-@router.post("/v1/prefix_lookup")
+@router.post(PREFIX_LOOKUP_PATH)
 async def prefix_lookup(request: Request, req: PrefixLookupRequest) -> dict[str, Any]:
     svc = server_of(request).service
     if req.hashes is not None:
@@ -44,7 +45,7 @@ async def prefix_lookup(request: Request, req: PrefixLookupRequest) -> dict[str,
         if error is not None:
             raise HTTPException(status_code=400, detail=error)
         hashes = svc.token_hashes(req.tokens or [], req.chunk_size)
-    return {"chunks": len(hashes), "instances": svc.prefix_lookup(hashes)}
+    return prefix_lookup_reply(len(hashes), svc.prefix_lookup(hashes))
 
 
 @router.post("/v1/deregister")

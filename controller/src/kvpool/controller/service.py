@@ -25,6 +25,7 @@ from kvpool.controller.settings import ControllerSettings
 from kvpool.protocol import lmcache_wire as p
 from kvpool.protocol.deltas import Delta, DeltaOp, LocationEntry, Snapshot, WorkerEntry
 from kvpool.protocol.hashing import chunk_hashes
+from kvpool.protocol.http_api import prefix_lookup_entry
 from kvpool.protocol.index import ChunkIndex, tier_rank
 
 logger = logging.getLogger(__name__)
@@ -430,11 +431,7 @@ class ControllerService:
                         "holds_first_chunk": record.worker_id in hit.workers,
                     }
                 )
-            out[instance_id] = {
-                "hit_chunks": hit.hit_chunks,
-                "per_location": dict(hit.per_location),
-                "workers": workers,
-            }
+            out[instance_id] = prefix_lookup_entry(hit.hit_chunks, hit.per_location, workers)
         self._observe_prefix(time.perf_counter() - t0)
         return out
 

@@ -25,13 +25,12 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpool.protocol.chat import ChatMessage, TextTokenizer
+from kvpool.protocol.http_api import MAX_SESSION_ID
 from kvpool.worker.engine_api import Engine
 from kvpool.worker.openai_models import ChatMessageIn, OpenAIError
 
 logger = logging.getLogger(__name__)
 
-SESSION_HEADER = "x-session-id"
-MAX_SESSION_ID = 256
 DEFAULT_SESSION_TOKENS = 16_000_000  # 64 MB of token ids at most
 _SELECTORS = ("session_id", "token_ids", "text", "messages", "chunk_hashes")
 
@@ -83,14 +82,6 @@ class SessionStore:
 
     def __len__(self) -> int:
         return len(self._items)
-
-
-def session_of(header: str | None, user: str | None) -> str | None:
-    """The header wins; an empty value means no session."""
-    for value in (header, user):
-        if value:
-            return value[:MAX_SESSION_ID]
-    return None
 
 
 class PrefixSelector(BaseModel):

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvpool.protocol.chat import content_text
+from kvpool.protocol.http_api import error_body
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
@@ -42,16 +43,6 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, param=self.param, code=self.code, type_=self.type)
-
-
-def error_body(
-    message: str,
-    *,
-    param: str | None = None,
-    code: str | None = None,
-    type_: str = "invalid_request_error",
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 class StreamOptions(BaseModel):

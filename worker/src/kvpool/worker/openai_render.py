@@ -13,8 +13,8 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 
+from kvpool.protocol.http_api import error_body, validation_error
 from kvpool.worker.engine_api import KVTransferParams, SamplingParams
-from kvpool.worker.openai_models import error_body
 
 
 @dataclass
@@ -86,18 +86,7 @@ def chat_chunk(
 
 
 def validation_body(exc: RequestValidationError) -> dict[str, Any]:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        return error_body(
-            f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
-            code="invalid_json",
-        )
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid request"))
-    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
-        msg = "the request body must be a JSON object"
-    where = f"{param}: " if param else ""
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return error_body(f"{where}{msg}{more}", param=param, code="invalid_value")
+    """The 400 body of a request that failed validation, worded as the gateway words it
+    (``kvpool.protocol.http_api.validation_error``)."""
+    message, param, code = validation_error(exc.errors())
+    return error_body(message, param=param, code=code)

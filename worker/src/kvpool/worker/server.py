@@ -25,6 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvpool.protocol.chat import ChatMessage, TextTokenizer
+from kvpool.protocol.http_api import SESSION as SESSION_HEADER
+from kvpool.protocol.http_api import error_body, session_of
 from kvpool.protocol.pd import RELEASE_PATH
 from kvpool.worker.engine_api import (
     Engine,
@@ -33,14 +35,13 @@ from kvpool.worker.engine_api import (
     SamplingParams,
 )
 from kvpool.worker.generation import Delta, Outcome, generate_text
-from kvpool.worker.memory_api import SESSION_HEADER, SessionStore, build_memory_router, session_of
+from kvpool.worker.memory_api import SessionStore, build_memory_router
 from kvpool.worker.metrics import RuntimeMetrics
 from kvpool.worker.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     TokenizeRequest,
-    error_body,
     new_id,
     now,
     usage,

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-INSTANCE_HEADER = "x-kvpool-instance"
-REASON_HEADER = "x-kvpool-route-reason"
-SESSION_HEADER = "x-session-id"
-PD_HEADER = "x-kvpool-pd"  # the gateway's PD proxy for the named pair
+from kvpool.protocol import http_api
+
+INSTANCE_HEADER = http_api.INSTANCE
+REASON_HEADER = http_api.ROUTE_REASON
+SESSION_HEADER = http_api.SESSION
+PD_HEADER = http_api.PD  # the gateway's PD proxy for the named pair
 
 
 class DemoError(RuntimeError):
