@@ -1,8 +1,9 @@
 """The gateway's ASGI app: its routers, error handlers and lifespan around one state.
 
 Why this module exists: ``build_app`` is the one place that assembles the app from the
-router modules (``api_openai``, ``api_memory``, ``api_ops``); the CLI and the tests build it
-the same way from a :class:`GatewayState`.
+router modules (``api_openai``, ``api_memory``, ``api_ops``) and the completion routes' ASGI
+layer (``api_openai.CompletionRoutes``); the CLI and the tests build it the same way from a
+:class:`GatewayState`.
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ def build_app(state: GatewayState) -> FastAPI:
 
     app = FastAPI(title="kvpool gateway", lifespan=lifespan)
     app.state.gateway = state
-    install_handlers(
-        app, lambda endpoint, status: state.metrics.requests.labels(endpoint, str(status)).inc()
-    )
+
+    def count(endpoint: str, status: int) -> None:
+        state.metrics.requests.labels(endpoint, str(status)).inc()
+
+    install_handlers(app, count)
+    # the completion routes, answered before the app's own routing (see api_openai)
+    app.add_middleware(api_openai.CompletionRoutes, state=state, on_error=count)
     app.include_router(api_ops.router)
     app.include_router(api_openai.router)
     app.include_router(api_memory.router)

@@ -4,16 +4,19 @@ Why this module exists: the operator renders exactly ``kvpool-gateway serve --ho
 --config /etc/kvpool/gateway/gateway.yaml`` (operator/src/kvpool/operator/render/pool_objects.py)
 with ``KVPOOL_GATEWAY_AUTH_TOKEN`` and the domain's ``PYTHONHASHSEED`` in the environment; this
 parser accepts exactly that, refuses a bad config with a message naming the key (exit 2, no
-traceback), and runs uvicorn with uvloop and httptools.
+traceback), and runs uvicorn with uvloop and httptools — in one process, or with
+``--workers N`` in N processes sharing the port (``processes``).
 
-    kvpool-gateway serve --config gateway.yaml [--host 127.0.0.1] [--port 8000]
+    kvpool-gateway serve --config gateway.yaml [--host 127.0.0.1] [--port 8000] [--workers N]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ import uvicorn
 
 from kvpool.gateway.app import build_app
 from kvpool.gateway.config import ConfigError, GatewayConfig, GatewayEnv, load_config
+from kvpool.gateway.processes import supervise, workers_for
 from kvpool.gateway.state import build_state
 
 EXIT_REFUSED = 2
@@ -32,6 +36,7 @@ class ServeOptions:
     host: str
     port: int
     log_level: str
+    workers: int = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway processes sharing the port (SO_REUSEPORT), each with its own index "
+        "replica; 0: one per CPU core (default 1)",
+    )
     _add_extra_commands(sub)
     return parser
 
@@ -68,11 +80,32 @@ def settings_from_args(argv: Sequence[str]) -> tuple[GatewayConfig, ServeOptions
         raise ConfigError(f"settings_from_args takes 'serve' arguments, got {args.command!r}")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port: {args.port} is not a TCP port (1..65535)")
+    try:
+        workers = workers_for(args.workers)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     config = load_config(args.config)
-    return config, ServeOptions(args.host, args.port, args.log_level)
+    if workers > 1 and config.pd_pairs:
+        raise ConfigError(
+            f"--workers {workers}: this gateway is the PD proxy of "
+            f"{', '.join(p.name for p in config.pd_pairs)}, whose senders notify one proxy "
+            "port; run one process (--workers 1)"
+        )
+    return config, ServeOptions(args.host, args.port, args.log_level, workers)
 
 
 def serve(config: GatewayConfig, options: ServeOptions) -> int:
+    if options.workers > 1:
+        run = functools.partial(_serve_socket, config, options)
+        return supervise(run, options.host, options.port, options.workers)
+    _serve_socket(config, options, None)
+    return 0
+
+
+def _serve_socket(config: GatewayConfig, options: ServeOptions, sock: socket.socket | None) -> None:
+    """One gateway process: on ``sock`` (bound by the caller), else binding host:port."""
+    if sock is not None:  # a --workers process: its own logging, as main() sets it up
+        _logging(options.log_level)
     env = GatewayEnv()
     state = build_state(config, env, pd_bind_host=options.host)
     app = build_app(state)
@@ -83,28 +116,34 @@ def serve(config: GatewayConfig, options: ServeOptions) -> int:
         options.port,
         "API keys required" if state.api_keys else "no auth",
     )
-    uvicorn.run(
-        app,
-        host=options.host,
-        port=options.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=options.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=10,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=options.host,
+            port=options.port,
+            loop="uvloop",
+            http="httptools",
+            log_level=options.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=10,
+        )
     )
-    return 0
+    server.run(sockets=[sock] if sock is not None else None)
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call: noise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call: noise
+    _logging(str(getattr(args, "log_level", "info")))
     if args.command != "serve":
         handler = getattr(args, "handler", None)
         return int(handler(args)) if handler is not None else EXIT_REFUSED

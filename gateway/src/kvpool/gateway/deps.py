@@ -12,8 +12,10 @@ import hmac
 import json
 import math
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 
+import msgspec
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
@@ -25,6 +27,7 @@ M = TypeVar("M", bound=BaseModel)
 #: Scope key of the body's bytes as the client sent them (set by :func:`read_json`), so an
 #: unchanged body is forwarded without being serialised again.
 RAW_BODY = "kvpool.raw_body"
+_DECODE = msgspec.json.Decoder().decode
 
 
 def state_of(request: Request) -> GatewayState:
@@ -39,11 +42,16 @@ async def get_state(request: Request) -> GatewayState:
 
 
 def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
+    return bearer(request.headers)
+
+
+def bearer(headers: Mapping[str, str]) -> str | None:
+    """The API key a request carries: ``Authorization: Bearer <key>``, else ``x-api-key``."""
+    header = headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
-    return request.headers.get("x-api-key")
+    return headers.get("x-api-key")
 
 
 StateDep = Annotated[GatewayState, Depends(get_state)]
@@ -51,9 +59,14 @@ StateDep = Annotated[GatewayState, Depends(get_state)]
 
 async def authorize(request: Request, state: StateDep) -> str:
     """The caller's API key ("" when auth is off); 401 without a valid one, 429 over rate."""
+    return check_key(state, _bearer(request), request.client.host if request.client else None)
+
+
+def check_key(state: GatewayState, given: str | None, client_host: str | None) -> str:
+    """:func:`authorize` on the caller's key (``Authorization: Bearer`` or ``x-api-key``)
+    and address, for the routes that read them without a ``Request``."""
     key = ""
     if state.api_keys:
-        given = _bearer(request)
         if given is None or not any(hmac.compare_digest(given, k) for k in state.api_keys):
             state.metrics.rejections.labels("unauthorized").inc()
             raise GatewayError(
@@ -64,7 +77,7 @@ async def authorize(request: Request, state: StateDep) -> str:
             )
         key = given
     if state.buckets is not None:
-        who = key or (request.client.host if request.client else "anonymous")
+        who = key or client_host or "anonymous"
         wait = state.buckets.take(who, time.monotonic())
         if wait > 0:
             state.metrics.rejections.labels("rate_limited").inc()
@@ -80,13 +93,10 @@ async def authorize(request: Request, state: StateDep) -> str:
 
 async def read_json(request: Request, state: StateDep) -> dict[str, Any]:
     """The body as a JSON object, at most ``limits.maxBodyBytes`` (413 beyond)."""
-    limit = state.config.limits.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        state.metrics.rejections.labels("too_large").inc()
-        raise _too_large(limit)
+    check_declared_size(state, request.headers.get("content-length"))
     chunks: list[bytes] = []
     size = 0
+    limit = state.config.limits.max_body_bytes
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
@@ -94,15 +104,39 @@ async def read_json(request: Request, state: StateDep) -> dict[str, Any]:
             raise _too_large(limit)
         chunks.append(chunk)
     raw = b"".join(chunks)
+    data = parse_object(raw)
+    request.scope[RAW_BODY] = raw
+    return data
+
+
+def check_declared_size(state: GatewayState, declared: str | None) -> None:
+    """413 when the request's ``Content-Length`` is over ``limits.maxBodyBytes``."""
+    limit = state.config.limits.max_body_bytes
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        state.metrics.rejections.labels("too_large").inc()
+        raise _too_large(limit)
+
+
+def too_large(state: GatewayState) -> GatewayError:
+    state.metrics.rejections.labels("too_large").inc()
+    return _too_large(state.config.limits.max_body_bytes)
+
+
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; 400 for an empty, invalid or non-object body.
+    msgspec decodes what clients send; anything it refuses is decoded again by the standard
+    library, which decides (it also reads integers beyond 64 bits and NaN)."""
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise bad_request("the request body is not valid JSON", code="invalid_json") from None
+        data = _DECODE(raw)
+    except msgspec.DecodeError:
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise bad_request("the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
-    request.scope[RAW_BODY] = raw
     return data
 
 

@@ -17,17 +17,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvpool.protocol.http_api import error_body
+from kvpool.protocol.http_api import validation_error as _validation_fields
+
+__all__ = ["GatewayError", "bad_request", "error_body", "upstream_error", "validation_error"]
+
 logger = logging.getLogger(__name__)
-
-
-def error_body(
-    message: str,
-    *,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 class GatewayError(Exception):
@@ -70,28 +65,11 @@ def upstream_error(status: int, message: str, code: str) -> GatewayError:
     return GatewayError(message, status=status, type_=kind, code=code)
 
 
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-
-
-def _type_tag(part: object) -> bool:
-    """A union member's name in a validation error's location (``prompt.str``), not a field."""
-    text = str(part)
-    return text in _TYPE_TAGS or "[" in text or "-" in text
-
-
 def validation_error(errors: Sequence[Any]) -> GatewayError:
-    """A 400 naming the first problem's field (pydantic's ``errors()``)."""
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        return bad_request("the request body is not valid JSON", code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _type_tag(p)]
-    param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid request"))
-    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
-        msg = "the request body must be a JSON object"
-    where = f"{param}: " if param else ""
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return bad_request(f"{where}{msg}{more}", param)
+    """A 400 naming the first problem's field (pydantic's ``errors()``), worded as the
+    workers word it (``kvpool.protocol.http_api.validation_error``)."""
+    message, param, code = _validation_fields(errors)
+    return bad_request(message, param, code)
 
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}

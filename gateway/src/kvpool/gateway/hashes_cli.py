@@ -30,7 +30,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvpool.gateway.config import ConfigError, GatewayConfig, load_config
-from kvpool.gateway.errors import GatewayError
+from kvpool.gateway.errors import GatewayError, bad_request
 from kvpool.gateway.models import ChatBody, CompletionBody
 from kvpool.gateway.prompts import LocalEncoder, chat_tokens, completion_tokens, local_tokenizer
 from kvpool.protocol.chat import TextTokenizer
@@ -187,10 +187,14 @@ def _tokens(
     try:
         if args.prompt is not None:
             body = CompletionBody.model_validate({"prompt": args.prompt})
-            return asyncio.run(completion_tokens(encoder, body))
+            return asyncio.run(completion_tokens(encoder, body.prompt))
         text = read_stdin() if args.chat == "-" else _read(args.chat)
         chat = _chat_body(text)
-        return asyncio.run(chat_tokens(encoder, chat))
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in chat.messages]
+        except ValueError as exc:
+            raise bad_request(f"messages: {exc}", "messages") from exc
+        return asyncio.run(chat_tokens(encoder, messages, chat.add_generation_prompt))
     except GatewayError as exc:
         flag = "--prompt" if args.prompt is not None else "--chat"
         raise HashesError(f"{flag}: {exc}") from None

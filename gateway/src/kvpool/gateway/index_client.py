@@ -31,6 +31,11 @@ from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.routing import PrefixHit
 from kvpool.protocol import deltas as dl
 from kvpool.protocol.domain import split_instance_id
+from kvpool.protocol.http_api import (
+    PREFIX_LOOKUP_PATH,
+    prefix_lookup_hits,
+    prefix_lookup_request,
+)
 from kvpool.protocol.index import InstanceHit
 
 logger = logging.getLogger(__name__)
@@ -117,19 +122,16 @@ class IndexClient:
             return None
         try:
             resp = await self.http.post(
-                f"{self.controller_url}/v1/prefix_lookup",
-                json={"hashes": list(hashes)},
+                f"{self.controller_url}{PREFIX_LOOKUP_PATH}",
+                json=prefix_lookup_request(hashes),
                 timeout=self.lookup_timeout_s,
             )
             resp.raise_for_status()
-            body = resp.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            hits = list(prefix_lookup_hits(resp.json()))
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:
             self._down(f"prefix_lookup: {type(exc).__name__}: {exc}")
             return None
-        return _by_name(
-            (iid, int(v.get("hit_chunks", 0)), v.get("per_location", {}))
-            for iid, v in body.get("instances", {}).items()
-        )
+        return _by_name(hits)
 
     # ------------------------------------------------------------------ loops
 

@@ -37,9 +37,11 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from kvpool.protocol import http_api
+
 #: the response headers kvpool's gateway names the serving instance and its reason with
-INSTANCE_HEADER = "x-kvpool-instance"
-REASON_HEADER = "x-kvpool-route-reason"
+INSTANCE_HEADER = http_api.INSTANCE
+REASON_HEADER = http_api.ROUTE_REASON
 _ERROR_BODY_BYTES = 2048
 #: HTTP statuses a retrying client sends again (the server said: not now)
 RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
@@ -311,6 +313,11 @@ class Replay:
         self._stopped = False
         self._finished = False
         self._t0 = 0.0
+
+    @property
+    def t0(self) -> float:
+        """The event loop's time when the replay started (``Outcome.sent_s`` counts from it)."""
+        return self._t0
 
     def finish(self) -> None:
         """Send nothing more; what is in flight (and its retries) still answers."""

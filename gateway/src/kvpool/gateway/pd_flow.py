@@ -25,6 +25,7 @@ from kvpool.gateway.pd import PDCoordinator
 from kvpool.gateway.proxy import Attempt, Proxy
 from kvpool.gateway.routing import Decision, Policy, RouteRequest, make_policy
 from kvpool.gateway.selection import Prompt, Selector
+from kvpool.protocol.http_api import INSTANCE, ROUTE_REASON
 
 _DROP = ("messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
          "add_generation_prompt", "kv_transfer_params")  # fmt: skip
@@ -224,7 +225,7 @@ class PDFlow:
         resp = await self.proxy.forward(choose, "/v1/completions", decode, {}, on_done, endpoint)
         if resp.status_code != 200:
             return resp
-        where = {"x-kvpool-instance": f"{p_inst.name},{d_inst.name}", "x-kvpool-route-reason": "pd"}
+        where = {INSTANCE: f"{p_inst.name},{d_inst.name}", ROUTE_REASON: "pd"}
         if isinstance(resp, StreamingResponse):
             events = _stream(pre, resp.body_iterator, chat)
             return StreamingResponse(events, media_type="text/event-stream", headers=where)

@@ -17,7 +17,6 @@ from typing import Any, Protocol
 from kvpool.gateway.config import ConfigError, GatewayConfig
 from kvpool.gateway.errors import GatewayError, bad_request, upstream_error
 from kvpool.gateway.instances import InstanceSet
-from kvpool.gateway.models import ChatBody, CompletionBody
 from kvpool.gateway.upstream import CALL_ERRORS, Upstream
 from kvpool.protocol.chat import (
     REFERENCE_TOKENIZER_DIR,
@@ -144,9 +143,8 @@ def local_tokenizer(name: str) -> TextTokenizer:
     return load_tokenizer(REFERENCE_TOKENIZER_DIR if name == REFERENCE else name)
 
 
-async def completion_tokens(encoder: Encoder, body: CompletionBody) -> list[int]:
+async def completion_tokens(encoder: Encoder, prompt: str | list[Any]) -> list[int]:
     """One prompt: text, token ids, or a batch of exactly one of either."""
-    prompt: Any = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -157,12 +155,11 @@ async def completion_tokens(encoder: Encoder, body: CompletionBody) -> list[int]
     return ids
 
 
-async def chat_tokens(encoder: Encoder, body: ChatBody) -> list[int]:
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    except ValueError as exc:
-        raise bad_request(f"messages: {exc}", "messages") from exc
-    return await encoder.chat(messages, body.add_generation_prompt)
+async def chat_tokens(
+    encoder: Encoder, messages: list[dict[str, Any]], add_generation_prompt: bool
+) -> list[int]:
+    """Token ids of chat messages (role and plain-text content) rendered with the template."""
+    return await encoder.chat(messages, add_generation_prompt)
 
 
 def check_tokens(tokens: Sequence[int], param: str) -> None:

@@ -18,15 +18,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from kvpool.gateway.errors import GatewayError, error_body, upstream_error
+from kvpool.gateway.h1client import H1Response
 from kvpool.gateway.instances import Instance
 from kvpool.gateway.load import LoadTracker, Ticket
 from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.reliability import backoff_s
+from kvpool.gateway.responses import PassThroughStream, WholeResponse, raw_headers
 from kvpool.gateway.upstream import CONNECT_ERRORS, CUT_ERRORS, TIMEOUT_ERRORS, Upstream
+from kvpool.protocol.http_api import INSTANCE, PREDICTED_HIT_TOKENS, ROUTE_REASON
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class Proxy:
         headers: dict[str, str],
         stream: bool,
         raw: bytes | None,
-    ) -> tuple[aiohttp.ClientResponse, bytes]:
+    ) -> tuple[H1Response, bytes]:
         """Send; read the first chunk (streamed) or the whole answer; classify failures."""
         inst = attempt.instance
         try:
@@ -93,7 +95,7 @@ class Proxy:
             resp.release()
             raise _RetryableError(f"status_{resp.status}", f"{inst.name}: {text}")
         try:
-            first = await (resp.content.readany() if stream else resp.read())
+            first = await (resp.read_chunk() if stream else resp.read())
         except TIMEOUT_ERRORS as exc:
             resp.close()
             raise self._timeout(inst.name, "sent no byte") from exc
@@ -168,7 +170,7 @@ class Proxy:
     def _respond(
         self,
         attempt: Attempt,
-        resp: aiohttp.ClientResponse,
+        resp: H1Response,
         first: bytes,
         stream: bool,
         t0: float,
@@ -176,12 +178,15 @@ class Proxy:
         endpoint: str,
     ) -> Response:
         inst = attempt.instance
-        headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
-        headers["x-kvpool-instance"] = inst.name
-        headers["x-kvpool-route-reason"] = attempt.reason
-        headers["x-kvpool-predicted-hit-tokens"] = str(attempt.predicted_hit_tokens)
+        headers = raw_headers(resp.headers, _HOP_HEADERS)
+        if resp.header("content-type") is None:
+            headers.append((b"content-type", b"application/json"))
+        headers += (
+            (INSTANCE_B, inst.name.encode("latin-1")),
+            (ROUTE_REASON_B, attempt.reason.encode("latin-1")),
+            (PREDICTED_B, b"%d" % attempt.predicted_hit_tokens),
+        )
         status = resp.status
-        media = resp.headers.get("content-type", "application/json")
 
         def finish(outcome: str) -> None:
             self.load.finish(attempt.ticket)
@@ -197,14 +202,14 @@ class Proxy:
         if not stream:
             resp.release()
             finish(str(status))
-            return Response(first, status_code=status, headers=headers, media_type=media)
+            return WholeResponse(first, status, headers)
 
         async def body() -> AsyncIterator[bytes]:
             outcome = str(status)
             try:
                 if first:
                     yield first
-                async for chunk in resp.content.iter_any():
+                async for chunk in resp.iter_chunks():
                     yield chunk
             except (*CUT_ERRORS, *TIMEOUT_ERRORS) as exc:
                 outcome = "cut"
@@ -227,7 +232,12 @@ class Proxy:
                     resp.close()  # drop the connection: the worker aborts the request
                 finish(outcome)
 
-        return StreamingResponse(body(), status_code=status, headers=headers, media_type=media)
+        return PassThroughStream(body(), status, headers)
+
+
+INSTANCE_B = INSTANCE.encode()
+ROUTE_REASON_B = ROUTE_REASON.encode()
+PREDICTED_B = PREDICTED_HIT_TOKENS.encode()
 
 
 def _noop() -> None:

@@ -16,14 +16,13 @@ from kvpool.gateway.admission import once
 from kvpool.gateway.deps import RAW_BODY
 from kvpool.gateway.errors import GatewayError
 from kvpool.gateway.instances import Instance
-from kvpool.gateway.models import session_of
 from kvpool.gateway.proxy import Attempt
 from kvpool.gateway.selection import Prompt
 from kvpool.gateway.state import GatewayState
-
-SESSION_HEADER = "x-session-id"
-PD_HEADER = "x-kvpool-pd"
-PIN_HEADER = "x-kvpool-instance"
+from kvpool.protocol.http_api import INSTANCE as PIN_HEADER
+from kvpool.protocol.http_api import PD as PD_HEADER
+from kvpool.protocol.http_api import PD_ANY, session_of
+from kvpool.protocol.http_api import SESSION as SESSION_HEADER
 
 
 def pd_pair_for(state: GatewayState, request: Request) -> str | None:
@@ -32,7 +31,7 @@ def pd_pair_for(state: GatewayState, request: Request) -> str | None:
     pairs = state.pd.pairs
     wanted = request.headers.get(PD_HEADER)
     if wanted:
-        if wanted == "any" and pairs:
+        if wanted == PD_ANY and pairs:
             return min(pairs)
         if wanted in pairs:
             return wanted

@@ -1,39 +1,54 @@
-"""The HTTP client of the request path (proxying, PD prefill, remote tokenization).
+"""The HTTP clients of the request path (proxying, PD prefill, remote tokenization).
 
 Why this module exists: every proxied request costs the gateway one upstream request, and on
-a busy host each separate socket write is a wake-up of the peer. aiohttp sends a request's
-headers and body in one write and keeps connections alive per instance; httpx (used for the
-control calls: probes, the controller, the memory fan-out) writes them separately. Failures
-are classified once, here: *connect* (nothing was sent or the connection was refused or
-dropped before an answer: safe to retry elsewhere), *timeout* (504) and, while reading an
-answer, *cut*.
+a busy host each separate socket write is a wake-up of the peer. Proxied requests go through
+``h1client`` (pooled keep-alive connections, head and body in one write, nothing parsed
+beyond the head: the least CPU per exchange); the small JSON calls of PD prefill releases and
+remote tokenization through aiohttp; httpx (the control calls: probes, the controller, the
+memory fan-out) writes head and body separately. Failures are classified once, here:
+*connect* (nothing was sent or the connection was refused or dropped before an answer: safe
+to retry elsewhere), *timeout* (504) and, while reading an answer, *cut*.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
+
+from kvpool.gateway.h1client import (
+    ConnectFailedError,
+    CutError,
+    DisconnectedError,
+    H1Error,
+    H1Pool,
+    H1Response,
+)
 
 _ENCODE = msgspec.json.Encoder()
 
 #: Raised before any answer arrived: the request may go to another instance.
 CONNECT_ERRORS: tuple[type[BaseException], ...] = (
+    ConnectFailedError,
+    DisconnectedError,
     aiohttp.ClientConnectorError,
     aiohttp.ServerDisconnectedError,
     aiohttp.ClientOSError,
 )
 #: Raised while an answer is being read: the connection died mid-answer.
 CUT_ERRORS: tuple[type[BaseException], ...] = (
+    CutError,
+    DisconnectedError,
     aiohttp.ClientPayloadError,
     aiohttp.ServerDisconnectedError,
     aiohttp.ClientConnectionError,
 )
 TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
-#: Anything the request path's client raises for a failed call.
-CALL_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, *TIMEOUT_ERRORS)
+#: Anything the request path's clients raise for a failed call.
+CALL_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, H1Error, *TIMEOUT_ERRORS)
 
 
 class Upstream:
@@ -44,6 +59,21 @@ class Upstream:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self.h1 = H1Pool(connect_timeout_s, read_timeout_s)
+        self._targets: dict[str, tuple[str, int, str, bool]] = {}
+
+    def _target(self, url: str) -> tuple[str, int, str, bool]:
+        """(host, port, path, TLS) of an instance URL, parsed once per URL."""
+        target = self._targets.get(url)
+        if target is None:
+            parts = urlsplit(url)
+            tls = parts.scheme == "https"
+            port = parts.port or (443 if tls else 80)
+            path = parts.path or "/"
+            if parts.query:
+                path = f"{path}?{parts.query}"
+            target = self._targets[url] = (parts.hostname or "", port, path, tls)
+        return target
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -66,14 +96,12 @@ class Upstream:
         body: dict[str, Any],
         headers: dict[str, str] | None = None,
         raw: bytes | None = None,
-    ) -> aiohttp.ClientResponse:
-        """Send ``body`` as JSON (``raw``: its bytes already, sent as they are); returns once
-        the answer's status and headers arrived."""
-        return await self.session.post(
-            url,
-            data=_ENCODE.encode(body) if raw is None else raw,
-            headers={"content-type": "application/json", **(headers or {})},
-        )
+    ) -> H1Response:
+        """Send ``body`` as JSON (``raw``: its bytes already, sent as they are) on a pooled
+        keep-alive connection; returns once the answer's status and headers arrived."""
+        host, port, path, tls = self._target(url)
+        data = _ENCODE.encode(body) if raw is None else raw
+        return await self.h1.post(host, port, path, data, headers or {}, tls)
 
     async def post_json(
         self, url: str, body: dict[str, Any], timeout_s: float | None = None
@@ -94,6 +122,7 @@ class Upstream:
             return resp.status, None, text
 
     async def close(self) -> None:
+        self.h1.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
