@@ -30,7 +30,7 @@ VALUES_FILES = sorted((CHART / "ci").glob("*.yaml"))
 CASES = [("default", {})] + [(p.stem, yaml.safe_load(p.read_text())) for p in VALUES_FILES]
 NAMESPACE = "kvpool-system"
 #: Kinds from CRDs kubernetes-validate has no schema for: checked structurally instead.
-CRD_KINDS = {"ServiceMonitor", "Certificate", "Issuer"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "Certificate", "Issuer"}
 
 
 def _render(values: dict[str, Any]) -> list[dict[str, Any]]:

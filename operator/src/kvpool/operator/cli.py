@@ -107,7 +107,13 @@ def cmd_local(args: argparse.Namespace) -> int:
         if args.command == "down":
             return local.down(state_dir, sys.stdout)
         return local.up(
-            args.filename, state_dir, sys.stdout, args.ready_timeout, args.skip, args.sim_host
+            args.filename,
+            state_dir,
+            sys.stdout,
+            args.ready_timeout,
+            args.skip,
+            args.sim_host,
+            args.monitoring,
         )
     except StackError as exc:
         print(f"kvpool-operator {args.command}: {exc}", file=sys.stderr)
@@ -153,6 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="run every simulated instance (engine.sim) of a domain in one `kvpool-worker "
         "host` process instead of one process per pod",
+    )
+    u.add_argument(
+        "--monitoring",
+        action="store_true",
+        help="also run Prometheus on 127.0.0.1, scraping the domain as the chart's "
+        "ServiceMonitors would and evaluating the chart's alerts (needs Debian's prometheus)",
     )
     d = sub.add_parser("down", help="stop everything a running `up` started")
     d.add_argument("--state-dir", default=None, help="the state dir given to up")

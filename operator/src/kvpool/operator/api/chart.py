@@ -77,6 +77,48 @@ class Metrics(ApiModel):
     service_monitor: ServiceMonitor = Field(default_factory=ServiceMonitor)
 
 
+class DomainServiceMonitors(ServiceMonitor):
+    """ServiceMonitors for the controller, gateway and workers of every cache domain in the
+    watched namespaces (kvpool.operator.monitoring.scrape)."""
+
+    interval: str = Field(default="15s", pattern=r"^[0-9]+(ms|s|m|h)$", description="Default 15s.")
+
+
+class PrometheusRuleValues(ApiModel):
+    """The domains' alerts as a PrometheusRule (charts/kvpool/monitoring/alerts.yaml)."""
+
+    enabled: bool = Field(default=False, description="Default false (needs the CRD).")
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Extra labels (e.g. release: prometheus)."
+    )
+
+
+class Dashboards(ApiModel):
+    """Grafana dashboards as ConfigMaps for Grafana's dashboard sidecar."""
+
+    enabled: bool = Field(default=False, description="Default false.")
+    namespace: str = Field(
+        default="",
+        description="Where the ConfigMaps go (the sidecar's namespace); default: "
+        "the release namespace.",
+    )
+    labels: dict[str, str] = Field(
+        default_factory=lambda: {"grafana_dashboard": "1"},
+        description='Labels the sidecar selects on. Default grafana_dashboard: "1".',
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict, description="e.g. grafana_folder: kvpool."
+    )
+
+
+class Monitoring(ApiModel):
+    """Monitoring of the cache domains the operator runs (kvpool.operator.monitoring)."""
+
+    service_monitors: DomainServiceMonitors = Field(default_factory=DomainServiceMonitors)
+    prometheus_rule: PrometheusRuleValues = Field(default_factory=PrometheusRuleValues)
+    dashboards: Dashboards = Field(default_factory=Dashboards)
+
+
 class NetworkPolicies(ApiModel):
     """A NetworkPolicy for the operator's pod (its webhook, metrics and health ports only).
 
@@ -125,6 +167,7 @@ class ChartValues(ApiModel):
     )
     webhook: Webhook = Field(default_factory=Webhook)
     metrics: Metrics = Field(default_factory=Metrics)
+    monitoring: Monitoring = Field(default_factory=Monitoring)
     network_policies: NetworkPolicies = Field(default_factory=NetworkPolicies)
     service_account: ServiceAccount = Field(default_factory=ServiceAccount)
     resources: Resources = Field(default_factory=_default_resources)

@@ -30,6 +30,7 @@ from typing import Any, TextIO
 
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.loader import load_text
+from kvpool.operator.local.monitoring import start_prometheus
 from kvpool.operator.local.plan import (
     LOOPBACK,
     ClusterMap,
@@ -214,8 +215,10 @@ def _serve(
     ready_timeout_s: float,
     skip: Sequence[str],
     sim_host: bool = False,
+    monitoring: bool = False,
 ) -> int:
-    """Start the stages, then supervise until ``stop``; every process is stopped on return."""
+    """Start the stages (then Prometheus, with ``monitoring``), then supervise until ``stop``;
+    every process is stopped on return."""
     with LocalStack(rendered.objects, state_dir, rendered.services) as stack:
         unknown = sorted(set(skip) - set(stack.rendered))
         if unknown:
@@ -252,6 +255,8 @@ def _serve(
                     continue
                 took = stack.wait_ready(run, ready_timeout_s, say, stop.is_set)
                 say(f"[{n}/{total}] {run.workload.name} ready after {took:.1f}s at {run.url}")
+        if monitoring:  # kvpool.operator.local.monitoring: the chart's scrape config and alerts
+            start_prometheus(stack, rendered.objects, ready_timeout_s, say, stop.is_set)
         write_state(state_dir, stack, True)
         urls = stack.endpoints()
         for component in ("gateway", "controller"):
@@ -278,13 +283,16 @@ def up(
     ready_timeout_s: float = 300.0,
     skip: Sequence[str] = (),
     sim_host: bool = False,
+    monitoring: bool = False,
 ) -> int:
     """Run the render until a signal or ``down``; 0 after a clean stop, 1 on a failure.
 
     ``skip`` names workloads not to start (one you run yourself, e.g. under a debugger: the
     others still address it at its mapped local port, printed at the start). ``sim_host``:
     every simulated instance of a domain runs in one ``kvpool-worker host`` process (each as it
-    would run alone; the process is restarted as a whole), not one process per pod."""
+    would run alone; the process is restarted as a whole), not one process per pod.
+    ``monitoring``: also a Prometheus on 127.0.0.1 scraping the domain as the chart's
+    ServiceMonitors would, with the chart's alerts (``kvpool.operator.local.monitoring``)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     previous = read_state(state_dir)
     if previous is not None and pid_alive(int(previous["up_pid"])):
@@ -301,7 +309,7 @@ def up(
         print(line, file=out, flush=True)
 
     try:
-        return _serve(rendered, state_dir, say, stop, ready_timeout_s, skip, sim_host)
+        return _serve(rendered, state_dir, say, stop, ready_timeout_s, skip, sim_host, monitoring)
     finally:  # stopped, failed or interrupted: nothing of this run is up any more
         (state_dir / STATE_FILE).unlink(missing_ok=True)
 
@@ -338,6 +346,7 @@ class UpProcess:
     state_dir: Path
     skip: Sequence[str] = ()
     sim_host: bool = False
+    monitoring: bool = False
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -352,6 +361,7 @@ class UpProcess:
         argv += [str(self.state_dir)] + [a for f in self.files for a in ("-f", str(f))]
         argv += [a for name in self.skip for a in ("--skip", name)]
         argv += ["--sim-host"] if self.sim_host else []
+        argv += ["--monitoring"] if self.monitoring else []
         with self.output.open("wb") as out:
             self.proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
