@@ -96,6 +96,7 @@ async def test_routes_to_the_instance_the_controller_says_holds_the_prefix() -> 
             metric(m, 'kvpool_gateway_routing_decisions_total{instance="b",reason="kv-hit"}') == 1
         )
         assert metric(m, 'kvpool_gateway_predicted_hit_tokens_total{instance="b"}') == 12
+        assert metric(m, 'kvpool_gateway_route_ttft_seconds_count{reason="kv-hit"}') == 1
 
 
 async def test_an_unchanged_body_is_forwarded_as_the_client_sent_its_bytes() -> None:

@@ -56,6 +56,13 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.route_ttft = Histogram(
+            "kvpool_gateway_route_ttft_seconds",
+            "Upstream time to first byte, by the reason of the routing decision (kv-hit, ...)",
+            ["reason"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.retries = Counter(
             "kvpool_gateway_retries", "Requests re-sent to another attempt", ["reason"], registry=r
         )

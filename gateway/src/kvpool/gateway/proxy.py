@@ -157,6 +157,7 @@ class Proxy:
                 inst.breaker.success()
                 ttft = self.load.first_byte(attempt.ticket, self.clock())
                 self.metrics.ttft.labels(inst.name).observe(ttft)
+                self.metrics.route_ttft.labels(attempt.reason).observe(ttft)
                 response = self._respond(attempt, resp, first, stream, t0, on_done, endpoint)
                 on_done = _noop  # the response owns it now
                 return response

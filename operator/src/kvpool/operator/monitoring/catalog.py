@@ -176,6 +176,11 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric("kvpool_gateway_prompt_tokens_total", _G, "prompt tokens routed, by `instance`"),
     Metric(
+        "kvpool_gateway_route_ttft_seconds",
+        _G,
+        "histogram: upstream time to the first byte, by the routing decision's `reason`",
+    ),
+    Metric(
         "kvpool_gateway_upstream_ttft_seconds",
         _G,
         "histogram: upstream time to the first byte, by routed `instance`",

@@ -285,6 +285,18 @@ GATEWAY_ROUTING = Dashboard(
         ),
         Panel(
             "Time to first byte by route (p95)",
+            "Upstream time to the first byte, by the reason of the routing decision: what a "
+            "kv-hit buys against a miss.",
+            (
+                Query(
+                    quantile(0.95, "kvpool_gateway_route_ttft_seconds", "reason"),
+                    "{{reason}}",
+                ),
+            ),
+            unit="s",
+        ),
+        Panel(
+            "Time to first byte by instance (p95)",
             "Upstream time to the first byte, by the instance the request was routed to.",
             (
                 Query(
