@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import re
 import signal
@@ -76,6 +77,8 @@ class Domain:
 
     root: Path
     stack: LocalStack
+    #: The process of the gateway :meth:`gateway` started last (its resident memory is read).
+    gateway_pid: int | None = None
 
     @classmethod
     def render(cls, root: Path) -> Domain:
@@ -125,8 +128,17 @@ class Domain:
         self.stop(list(self.stack.running))
 
     @contextlib.contextmanager
-    def gateway(self, policy: str | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Our gateway from the render (``policy`` None: the pool's own routing policy).
+    def gateway(
+        self,
+        policy: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        port: int | None = None,
+        tag: str = "",
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Our gateway from the render (``policy`` None: the pool's own routing policy), its
+        command line extended by ``extra_args`` (``--workers N``: the operator renders one
+        process), on ``port`` instead of the rendered one (two gateways at once), named
+        with ``tag``.
 
         Yields its URL and the rendered (localized) gateway config it reads."""
         stack = self.stack
@@ -136,8 +148,15 @@ class Domain:
                 rendered.objects, self.root / f"gw-{policy}", cluster=self.stack.cmap
             )
         (name,) = [n for n, w in stack.rendered.items() if w.component == "gateway"]
-        lw = stack.prepare(name, as_name=f"{name}-{policy or 'default'}")
+        lw = stack.prepare(name, as_name=f"{name}-{policy or 'default'}{tag}")
+        lw.argv.extend(extra_args)
+        if port is not None:
+            lw.argv[lw.argv.index("--port") + 1] = str(port)
+            lw.ports["http"] = port
+            if lw.readiness is not None:
+                lw = dataclasses.replace(lw, readiness=(lw.readiness[0], port))
         run = stack.start(lw)
+        self.gateway_pid = run.proc.pid
         try:
             stack.wait_ready(run, 120, progress=log)
             config = yaml.safe_load(next(iter(lw.files.values())))
@@ -147,11 +166,15 @@ class Domain:
 
 
 @contextlib.contextmanager
-def instant_upstreams(urls: list[str], model: str, logdir: Path) -> Iterator[None]:
-    """``upstream.py`` listening on the ports of ``urls`` (the workers', while they are down)."""
+def instant_upstreams(
+    urls: list[str], model: str, logdir: Path, max_events: int = 1, decode: bool = False
+) -> Iterator[None]:
+    """``upstream.py`` listening on the ports of ``urls`` (the workers', while they are down);
+    streams of up to ``max_events`` events, written one at a time with ``decode``."""
     ports = [str(urlsplit(u).port) for u in urls]
     cmd = [sys.executable, str(Path(__file__).resolve().parent / "upstream.py"),
-           "--ports", ",".join(ports), "--model", model]  # fmt: skip
+           "--ports", ",".join(ports), "--model", model,
+           "--max-events", str(max_events)] + (["--decode"] if decode else [])  # fmt: skip
     with services.started(cmd, int(ports[-1]), "instant upstreams", logdir / "upstream.log"):
         yield
 

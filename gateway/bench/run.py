@@ -7,9 +7,12 @@ trace and the same load generator, in one run on this noisy box.
 
 1. Overhead. The controller of the domain runs; instant upstreams (``upstream.py``) listen on
    the workers' ports, so our gateway reads its rendered ``gateway.yaml`` unchanged. Added
-   latency p50/p99 over the direct call and maximum req/s, ours and sglang-router's
-   (``overhead.py``, ``loadgen.py``). Tokenization apart: the gateway's own tokenize path at
-   1K/8K/32K tokens, in process.
+   latency p50/p99 over the direct call and maximum req/s, ours (as rendered: one process;
+   and ``--workers`` one per core) and sglang-router's (``overhead.py``, ``loadgen.py``).
+   SSE pass-through: the upstreams stream one-token events as a decoding engine does, many
+   streams at once; events per second through one gateway process and through sglang-router,
+   and the gateway's memory per stream (``sse.py``). Tokenization apart: the gateway's own
+   tokenize path (render, encode, chunk hashes) at 1K/8K/32K tokens, in process.
 2. Routing quality. The three reference workers of ``pool.yaml`` start (real LMCache, our
    controller, the operator's render run locally). The agent trace
    (``kvpool.gateway.traces.agent``, replayed by the product's client: ``replay.py``) is
@@ -46,6 +49,7 @@ from typing import Any
 import domain
 import overhead
 import replay
+import sse
 import tokenize_bench
 from domain import log
 
@@ -53,6 +57,8 @@ from kvpool.gateway.loadgen import Outcome
 from kvpool.gateway.traces import agent as agent_trace
 
 HERE = Path(__file__).resolve().parent
+#: ``kvpool-gateway serve --workers``: one process per core of this box.
+GATEWAY_WORKERS = os.cpu_count() or 1
 ARMS = ("kvpool", "kvpool_round_robin", "sglang_cache_aware")
 ARM_LABEL = {
     "kvpool": "kvpool gateway (kv-aware)",
@@ -74,14 +80,43 @@ def trace_config(quick: bool) -> agent_trace.TraceConfig:
 
 
 def overhead_phase(dom: domain.Domain, model: str, quick: bool) -> dict[str, Any]:
-    """Instant upstreams on the workers' ports; ours and sglang-router in front of them."""
+    """Instant upstreams on the workers' ports; ours (one process, and one per core) and
+    sglang-router in front of them."""
     with contextlib.ExitStack() as st:
         st.enter_context(domain.instant_upstreams(dom.worker_urls, model, dom.root))
         ours, _ = st.enter_context(dom.gateway())
+        many, _ = st.enter_context(
+            dom.gateway(
+                extra_args=("--workers", str(GATEWAY_WORKERS)),
+                port=domain.services.free_port(),
+                tag="-workers",
+            )
+        )
         sglang = st.enter_context(domain.sglang_router(dom.worker_urls, dom.root))
-        targets = {"direct": dom.worker_urls[0], "kvpool": ours, "sglang": sglang}
+        targets = {
+            "direct": dom.worker_urls[0],
+            "kvpool": ours,
+            "kvpool_workers": many,
+            "sglang": sglang,
+        }
         log(f"overhead: latency and req/s of {list(targets)} against instant upstreams")
         return overhead.run(targets, model, quick)
+
+
+def sse_phase(dom: domain.Domain, model: str, quick: bool) -> dict[str, Any]:
+    """Decoding upstreams on the workers' ports; SSE events/s directly, through one gateway
+    process and through sglang-router."""
+    with contextlib.ExitStack() as st:
+        st.enter_context(
+            domain.instant_upstreams(dom.worker_urls, model, dom.root, max_events=4096, decode=True)
+        )
+        ours, _ = st.enter_context(dom.gateway())
+        assert dom.gateway_pid is not None
+        pids = {"kvpool": dom.gateway_pid}
+        sglang = st.enter_context(domain.sglang_router(dom.worker_urls, dom.root))
+        targets = {"direct": dom.worker_urls, "kvpool": [ours], "sglang": [sglang]}
+        log(f"sse: events/s of {list(targets)} from {len(dom.worker_urls)} decoding upstreams")
+        return sse.run(targets, model, pids, quick)
 
 
 def arm(
@@ -205,27 +240,40 @@ def table(m: dict[str, float], r: dict[str, float], summaries: dict[str, dict[st
                  "| | | | | | |")  # fmt: skip
     lines += [
         "",
-        "| overhead (instant upstreams) | kvpool gateway | sglang-router |",
-        "|---|---:|---:|",
-        f"| added latency p50 (ms) | {m['added_latency_p50_ms']:.3f} | "
-        f"{m['sglang_added_latency_p50_ms']:.3f} |",
-        f"| added latency p99 (ms) | {m['added_latency_p99_ms']:.3f} | "
-        f"{m['sglang_added_latency_p99_ms']:.3f} |",
-        f"| max req/s (32 connections) | {m['req_per_s']:,.0f} | {m['sglang_req_per_s']:,.0f} |",
-        f"| (direct to the upstream: p50 {m['direct_latency_p50_ms']:.3f} ms, "
-        f"{m['direct_req_per_s']:,.0f} req/s) | | |",
-        "",
-        "| gateway tokenize path (chat) | 1K tokens | 8K tokens | 32K tokens |",
+        f"| overhead (instant upstreams) | kvpool gateway, 1 process | kvpool gateway, "
+        f"{GATEWAY_WORKERS} processes | sglang-router |",
         "|---|---:|---:|---:|",
-        f"| ms | {m['tokenize_ms_1k']:.2f} | {m['tokenize_ms_8k']:.2f} | "
+        f"| added latency p50 (ms) | {m['added_latency_p50_ms']:.3f} | "
+        f"{m['added_latency_p50_ms_workers']:.3f} | {m['sglang_added_latency_p50_ms']:.3f} |",
+        f"| added latency p99 (ms) | {m['added_latency_p99_ms']:.3f} | | "
+        f"{m['sglang_added_latency_p99_ms']:.3f} |",
+        f"| max req/s (32 connections) | {m['req_per_s_one_process']:,.0f} | "
+        f"{m['req_per_s']:,.0f} | {m['sglang_req_per_s']:,.0f} |",
+        f"| SSE events/s (decoding upstreams) | {m['sse_events_per_s']:,.0f} | | "
+        f"{m['sglang_sse_events_per_s']:,.0f} |",
+        f"| (direct to the upstream: p50 {m['direct_latency_p50_ms']:.3f} ms, "
+        f"{m['direct_req_per_s']:,.0f} req/s, {m['direct_sse_events_per_s']:,.0f} SSE events/s; "
+        f"gateway memory while streaming: {m['sse_rss_kib_per_stream']:.0f} KiB per stream) "
+        "| | | |",
+        "",
+        "| gateway tokenize path (chat: render, encode, chunk hashes) | 1K tokens | 8K tokens "
+        "| 32K tokens |",
+        "|---|---:|---:|---:|",
+        f"| wall ms | {m['tokenize_ms_1k']:.2f} | {m['tokenize_ms_8k']:.2f} | "
         f"{m['tokenize_ms_32k']:.2f} |",
+        f"| CPU ms | {m['tokenize_cpu_ms_1k']:.2f} | {m['tokenize_cpu_ms_8k']:.2f} | "
+        f"{m['tokenize_cpu_ms_32k']:.2f} |",
         "",
         "| ratio | value | target |",
         "|---|---:|---:|",
         "| TTFT p90, kvpool / sglang-router cache_aware | "
         f"{r['ttft_p90_vs_sglang_cache_aware']:.3f} | ≤ 0.5 |",
-        f"| req/s, kvpool / sglang-router | {r['req_per_s_vs_sglang']:.3f} | ≥ 0.5 |",
-        f"| added latency p50 (ms) | {m['added_latency_p50_ms']:.3f} | ≤ 1 |",
+        f"| req/s, kvpool ({GATEWAY_WORKERS} processes) / sglang-router | "
+        f"{r['req_per_s_vs_sglang']:.3f} | ≥ 0.5 |",
+        f"| SSE events/s, kvpool (1 process) / sglang-router | "
+        f"{r['sse_events_per_s_vs_sglang']:.3f} | ≥ 0.5 |",
+        f"| added latency p50 (ms) | {m['added_latency_p50_ms']:.3f} | ≤ 0.35 |",
+        f"| tokenize 8K tokens, with hashes (ms) | {m['tokenize_ms_8k']:.2f} | ≤ 5 |",
     ]
     return "\n".join(lines)
 
@@ -278,6 +326,7 @@ def main() -> int:
         try:
             log(f"controller ready in {dom.start(dom.names('controller')):.1f}s")
             over = overhead_phase(dom, model, args.quick)
+            streamed = sse_phase(dom, model, args.quick)
             log(f"workers {dom.names('worker')} ready in {dom.start(dom.names('worker')):.1f}s")
             routing = routing_phase(dom, model, args.quick, order, passes)
             log("tokenization through the gateway's encoder at 1K/8K/32K tokens")
@@ -297,10 +346,19 @@ def main() -> int:
         "sglang_added_latency_p99_ms": over["sglang"]["p99_ms"] - over["direct"]["p99_ms"],
         "direct_latency_p50_ms": over["direct"]["p50_ms"],
         "direct_latency_p99_ms": over["direct"]["p99_ms"],
-        "req_per_s": over["kvpool"]["req_per_s"],
+        "added_latency_p50_ms_workers": over["kvpool_workers"]["p50_ms"] - over["direct"]["p50_ms"],
+        "req_per_s": over["kvpool_workers"]["req_per_s"],
+        "req_per_s_one_process": over["kvpool"]["req_per_s"],
         "sglang_req_per_s": over["sglang"]["req_per_s"],
         "direct_req_per_s": over["direct"]["req_per_s"],
-        "throughput_errors": over["kvpool"]["throughput_errors"],
+        "throughput_errors": over["kvpool"]["throughput_errors"]
+        + over["kvpool_workers"]["throughput_errors"],
+        "sse_events_per_s": streamed["kvpool"]["events_per_s"],
+        "sglang_sse_events_per_s": streamed["sglang"]["events_per_s"],
+        "direct_sse_events_per_s": streamed["direct"]["events_per_s"],
+        "sse_rss_idle_mb": streamed["kvpool"]["rss_idle_mb"],
+        "sse_rss_peak_mb": streamed["kvpool"]["rss_peak_mb"],
+        "sse_rss_kib_per_stream": streamed["kvpool"]["rss_kib_per_stream"],
         "sglang_throughput_errors": over["sglang"]["throughput_errors"],
         **tok,
         "wall_s": time.monotonic() - t0,
@@ -316,6 +374,8 @@ def main() -> int:
         "ttft_p50_vs_sglang_cache_aware": ours["ttft_p50_ms"] / sgl["ttft_p50_ms"],
         "ttft_p90_vs_round_robin": ours["ttft_p90_ms"] / rr["ttft_p90_ms"],
         "req_per_s_vs_sglang": metrics["req_per_s"] / metrics["sglang_req_per_s"],
+        "sse_events_per_s_vs_sglang": metrics["sse_events_per_s"]
+        / metrics["sglang_sse_events_per_s"],
         "hit_ratio_vs_sglang_cache_aware": ours["hit_ratio"] / max(sgl["hit_ratio"], 1e-9),
     }
     result = {
@@ -338,6 +398,9 @@ def main() -> int:
                 for n, a in routing["arms"].items()
             },
             "overhead": over,
+            "sse": streamed,
+            "gateway_workers": GATEWAY_WORKERS,
+            "loadavg_1m_end": os.getloadavg()[0],
             "gateway_encoder": encoder,
         },
     }

@@ -7,13 +7,17 @@ never the bottleneck of a router in front of it. It answers:
 
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: a fixed one-token answer with
   ``usage``; with ``"stream": true`` an SSE stream (chunked) of one content event (or
-  min(``max_tokens``, ``--max-events``) of them, one token each), a usage event and ``[DONE]``;
+  min(``max_completion_tokens`` or ``max_tokens``, ``--max-events``) of them, one token
+  each), a usage event and ``[DONE]``;
 - ``POST /tokenize``: three token ids (what a gateway without a local tokenizer asks for);
 - ``GET /v1/models``: the model list; any other ``GET`` (health, readiness, metrics): 200.
 
-Run: ``python upstream.py --ports P1,P2,... [--model NAME] [--max-events N]``; prints ``READY``
-when listening. (``--max-events`` > 1 measures a client's SSE event rate: ``kvpool-gateway
-replay``'s capacity, ``replay_capacity.py``.)
+Run: ``python upstream.py --ports P1,P2,... [--model NAME] [--max-events N] [--decode]``;
+prints ``READY`` when listening. (``--max-events`` > 1 measures a client's SSE event rate:
+``kvpool-gateway replay``'s capacity, ``replay_capacity.py``, and a router's SSE pass-through,
+``sse.py``.) With ``--decode`` a stream is written one event at a time, yielding to the other
+streams between events, as an engine decoding a batch sends one token of each sequence per
+step; without it the whole stream leaves in one write.
 """
 
 from __future__ import annotations
@@ -45,12 +49,39 @@ def _chunk(data: bytes) -> bytes:
 
 
 class Upstream:
-    def __init__(self, model: str, max_events: int = 1) -> None:
+    def __init__(self, model: str, max_events: int = 1, decode: bool = False) -> None:
         self.model = model
         self.max_events = max_events
+        self.decode = decode
         self.requests = 0
 
     def answer(self, method: bytes, path: bytes, body: bytes) -> bytes:
+        return b"".join(self.answer_parts(method, path, body))
+
+    def answer_parts(self, method: bytes, path: bytes, body: bytes) -> list[bytes]:
+        """The answer as the pieces written one by one with ``--decode`` (a stream's head,
+        each event, the end); any other answer is one piece."""
+        return (
+            [self._answer(method, path, body)]
+            if not self.decode
+            else self._parts(method, path, body)
+        )
+
+    def _parts(self, method: bytes, path: bytes, body: bytes) -> list[bytes]:
+        whole = self._answer(method, path, body)
+        if not whole.startswith(_CHUNKED):
+            return [whole]
+        parts = [_CHUNKED]
+        rest = whole[len(_CHUNKED) :]
+        while rest:
+            size_end = rest.index(b"\r\n")
+            size = int(rest[:size_end], 16)
+            end = size_end + 2 + size + 2
+            parts.append(rest[:end])
+            rest = rest[end:]
+        return parts
+
+    def _answer(self, method: bytes, path: bytes, body: bytes) -> bytes:
         self.requests += 1
         if method == b"GET":
             if path.startswith(b"/v1/models"):
@@ -86,7 +117,8 @@ class Upstream:
         delta: dict[str, object] = (
             {"delta": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
         )
-        k = max(1, min(int(req.get("max_tokens") or 1), self.max_events))
+        wanted = req.get("max_completion_tokens") or req.get("max_tokens") or 1  # either name
+        k = max(1, min(int(wanted), self.max_events))
         content = {**base, "object": obj, "choices": [{"index": 0, **delta, "finish_reason": None}]}
         usage = {**base, "object": obj, "choices": [], "usage": _usage(n, k)}
         event = _chunk(b"data: " + json.dumps(content).encode() + b"\n\n")
@@ -120,7 +152,11 @@ class Upstream:
                 body = await reader.readexactly(length) if length else b""
                 if chunked:
                     body = await _read_chunked(reader)
-                writer.write(self.answer(method, path, body))
+                parts = self.answer_parts(method, path, body)
+                for n, part in enumerate(parts):
+                    writer.write(part)
+                    if n + 1 < len(parts):
+                        await asyncio.sleep(0)  # the other streams' turn (a decode step)
                 await writer.drain()
         writer.close()
 
@@ -136,8 +172,8 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
         await reader.readexactly(2)
 
 
-async def serve(ports: list[int], model: str, max_events: int = 1) -> None:
-    up = Upstream(model, max_events)
+async def serve(ports: list[int], model: str, max_events: int = 1, decode: bool = False) -> None:
+    up = Upstream(model, max_events, decode)
     servers = [await asyncio.start_server(up.handle, "127.0.0.1", p, backlog=1024) for p in ports]
     print("READY", flush=True)
     await asyncio.gather(*(s.serve_forever() for s in servers))
@@ -150,13 +186,17 @@ def main() -> None:
     ap.add_argument(
         "--max-events", type=int, default=1, help="content events of a streamed answer, at most"
     )
+    ap.add_argument(
+        "--decode", action="store_true", help="write a stream one event at a time (see above)"
+    )
     args = ap.parse_args()
     with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve([int(p) for p in args.ports.split(",")], args.model, args.max_events))
+        ports = [int(p) for p in args.ports.split(",")]
+        asyncio.run(serve(ports, args.model, args.max_events, args.decode))
 
 
 if __name__ == "__main__":
