@@ -49,8 +49,11 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain, islice, repeat
+from itertools import islice, repeat
 
+from kvpool.protocol.index_slots import Decoded as _Decoded
+from kvpool.protocol.index_slots import Run as _Run
+from kvpool.protocol.index_slots import Slot as _Slot
 from kvpool.protocol.tiers import BACKENDS, tier_rank
 
 __all__ = ["SCAN_BLOCK", "TIER_ORDER", "ChunkIndex", "InstanceHit", "tier_rank"]
@@ -86,60 +89,6 @@ class InstanceHit:
     hit_chunks: int
     per_location: dict[str, int]
     workers: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _Decoded:
-    """What a slot mask means: its instances, (instance, location) pairs and workers."""
-
-    inst_mask: int
-    groups: tuple[tuple[int, str], ...]
-    workers: dict[int, tuple[int, ...]]  # instance index -> its worker ids, ascending
-
-
-@dataclass(frozen=True)
-class _Run:
-    """A stretch of consecutive prompt chunks with the same holders."""
-
-    mask: int
-    length: int
-    alive: int  # instances that hold every chunk up to and including this run
-
-
-class _Slot:
-    """One (instance, worker, location): its bit, live key count and key log."""
-
-    __slots__ = ("big", "bit", "count", "ident", "inst", "log", "swept")
-
-    def __init__(self, ident: tuple[str, int, str], inst: int, bit: int) -> None:
-        self.ident = ident
-        self.inst = inst
-        self.bit = bit
-        self.count = 0
-        self.log = array("q")
-        self.big: list[int] = []  # keys that do not fit in int64 (or are not ints at all)
-        self.swept = 0  # once purged: how many logged keys have been swept
-
-    def append(self, keys: list[int]) -> None:
-        size = len(self.log)
-        try:
-            self.log.extend(keys)
-        except (OverflowError, TypeError):
-            del self.log[size:]
-            for key in keys:
-                try:
-                    self.log.append(key)
-                except (OverflowError, TypeError):
-                    self.big.append(key)
-
-    def logged(self) -> Iterable[int]:
-        """Every key ever logged (stale and repeated ones included)."""
-        return chain(self.log, self.big)
-
-    def logged_range(self, start: int, stop: int) -> Iterable[int]:
-        """``list(self.logged())[start:stop]`` without walking the keys before ``start``."""
-        n = len(self.log)
-        return chain(self.log[start:stop], self.big[max(0, start - n) : max(0, stop - n)])
 
 
 class ChunkIndex:
