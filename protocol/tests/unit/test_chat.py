@@ -198,3 +198,20 @@ def test_load_tokenizer_from_a_directory_and_its_errors(
     (tmp_path / "bad.json").write_text("{nope")
     with pytest.raises(ValueError, match="not a tokenizers JSON file"):
         load_tokenizer(tmp_path / "bad.json")
+
+
+def test_an_encode_memo_returns_the_same_ids_and_stays_bounded() -> None:
+    """A long text encoded again comes from the memo (a fresh list, equal ids); short texts and
+    a tokenizer without a memo always encode."""
+    from kvpool.protocol.chat import MEMO_MIN_CHARS, REFERENCE_TOKENIZER_DIR
+
+    plain = load_tokenizer(REFERENCE_TOKENIZER_DIR)
+    memo = load_tokenizer(REFERENCE_TOKENIZER_DIR, memo=2)
+    texts = [f" word{i}" * (MEMO_MIN_CHARS // 4) for i in range(3)]
+    for text in texts + texts:
+        got = memo.encode(text)
+        assert got == plain.encode(text)
+        got.append(-1)  # the caller's list: the memo is not changed through it
+    assert memo.encode(texts[2]) == plain.encode(texts[2])
+    assert len(memo._memo) == 2 and not plain._memo
+    assert memo.encode("short") == plain.encode("short") and "short" not in memo._memo

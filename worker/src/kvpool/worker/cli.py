@@ -225,13 +225,13 @@ def reference_options(settings: WorkerSettings, config_file: str | None) -> Refe
     )
 
 
-def tokenizer_for(settings: WorkerSettings) -> TextTokenizer:
+def tokenizer_for(settings: WorkerSettings, *, memo: int = 0) -> TextTokenizer:
     path: str | None = settings.tokenizer
     if path is None and settings.model_dir is not None:
         candidate = Path(settings.model_dir) / "tokenizer.json"
         path = str(candidate) if candidate.is_file() else None
     try:
-        return load_tokenizer(path)
+        return load_tokenizer(path, memo=memo)
     except Exception as exc:
         raise StartRefusedError(
             f"cannot load the tokenizer {path or '(reference)'}: {exc}"

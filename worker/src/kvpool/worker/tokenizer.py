@@ -18,11 +18,11 @@ from kvpool.protocol import chat
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str | Path | None = None) -> chat.TextTokenizer:
+def load_tokenizer(path: str | Path | None = None, *, memo: int = 0) -> chat.TextTokenizer:
     """The tokenizer at ``path`` (see :func:`kvpool.protocol.chat.load_tokenizer`); ``None``
     loads the reference engine's (``kvpool.protocol.chat.REFERENCE_TOKENIZER_DIR``)."""
     target = path if path is not None else chat.REFERENCE_TOKENIZER_DIR
-    tokenizer = chat.load_tokenizer(target)
+    tokenizer = chat.load_tokenizer(target, memo=memo)
     logger.info("loaded tokenizer %s (%d ids)", target, tokenizer.vocab_size)
     return tokenizer
 

@@ -38,6 +38,9 @@ from kvpool.worker.shutdown import EXIT_OK, GracefulShutdown, ShutdownPolicy, ha
 
 logger = logging.getLogger(__name__)
 
+#: Long prompts whose token ids the shared tokenizer remembers (a few MB at Mooncake sizes).
+HOST_ENCODE_MEMO = 64
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -99,7 +102,10 @@ def build_instance(
     key = (settings.tokenizer, settings.model_dir)
     tokenizer = tokenizers.get(key)
     if tokenizer is None:
-        tokenizer = tokenizers[key] = cli.tokenizer_for(settings)
+        # one per file, shared, remembering recent long prompts: the hosted instances stand
+        # for machines that would tokenize in parallel, and a router that renders every
+        # prompt on every worker (vllm-router) would otherwise cost N tokenizations of it here
+        tokenizer = tokenizers[key] = cli.tokenizer_for(settings, memo=HOST_ENCODE_MEMO)
     return Hosted(index, settings, cli.build_runtime(settings, entry.env, tokenizer))
 
 
