@@ -1,20 +1,40 @@
-"""``kubectl get kvcachepools,p2pgroups,pdpairs`` over a reconciled cpu-demo domain.
+"""``kubectl get kvcachepools,p2pgroups,pdpairs`` over a reconciled cpu-demo domain, as the API
+server's Table output (what kubectl prints, column for column).
 
-The table is built from the generated CRDs' printer columns (kubectl.py) and the objects the
-operator reconciled in the emulator, with every worker StatefulSet reported ready as a
-cluster would. Set KVPOOL_KUBECTL_GET_OUT=path to write it (operator/README.md shows it).
+The columns are the generated CRDs' printer columns served by ``kvpool-operator cluster``'s
+API server (the emulator here, with the kinds served without their schema); the values are the
+status the operator reconciled, with every worker StatefulSet reported ready as a cluster
+would. The real kubectl prints these tables in e2e/tests/test_cluster.py and the README.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-from pathlib import Path
-
+import aiohttp
 from apiserver import ApiServer
 from harness import Client, OperatorThread, eventually, example
-from kubectl import jsonpath, kubectl_get
 from test_reconcile import P2PGS, PDPS, POOLS, STS, condition, one
+
+ACCEPT = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"
+
+
+async def _table(url: str, plural: str) -> dict[str, list[object]]:
+    async with (
+        aiohttp.ClientSession(url) as http,
+        http.get(
+            f"/apis/kvpool.io/v1alpha1/namespaces/default/{plural}", headers={"Accept": ACCEPT}
+        ) as resp,
+    ):
+        table = await resp.json()
+    names = [c["name"] for c in table["columnDefinitions"] if not c["priority"]]
+    rows = [
+        [
+            c
+            for c, d in zip(r["cells"], table["columnDefinitions"], strict=True)
+            if not d["priority"]
+        ]
+        for r in table["rows"]
+    ]
+    return {"columns": names, **{str(r[0]): r for r in rows}}
 
 
 async def test_kubectl_get_shows_ready_domain_seed_members_and_member_columns(
@@ -30,24 +50,14 @@ async def test_kubectl_get_shows_ready_domain_seed_members_and_member_columns(
         await eventually(
             lambda r=resource, n=name: condition(one(apiserver, r, n), "Ready")["status"] == "True"
         )
-    later = datetime.datetime.now(tz=datetime.UTC) + datetime.timedelta(seconds=42)
-    out = kubectl_get(apiserver, ["kvcachepools", "p2pgroups", "pdpairs"], now=later)
-    lines = out.splitlines()
+    url = str(apiserver.servers[0].url)
     fingerprint = one(apiserver, POOLS, "demo")["status"]["domainFingerprint"]
-    assert lines[0].split() == ["NAME", "READY", "DOMAIN", "SEED", "MEMBERS", "AGE"]
-    assert lines[1].split()[:5] == ["kvcachepool.kvpool.io/demo", "True", fingerprint, "0", "2"]
-    assert lines[3].split() == ["NAME", "POOL", "INSTANCES", "TP", "READY", "AGE"]
-    assert lines[4].split()[:5] == ["p2pgroup.kvpool.io/demo-p2p", "demo", "2", "1", "True"]
-    assert lines[7].split()[:5] == ["pdpair.kvpool.io/demo-pd", "demo", "2", "1/1", "True"]
-    assert all(line.split()[-1].endswith("s") for line in lines if "kvpool.io/" in line)
-    target = os.environ.get("KVPOOL_KUBECTL_GET_OUT")
-    if target:
-        Path(target).write_text(out + "\n", encoding="utf-8")
-
-
-def test_jsonpath_subset() -> None:
-    obj = {
-        "status": {"conditions": [{"type": "A", "status": "x"}, {"type": "Ready", "status": "y"}]}
-    }
-    assert jsonpath(obj, '.status.conditions[?(@.type=="Ready")].status') == "y"
-    assert jsonpath(obj, ".status.missing") is None
+    pools = await _table(url, "kvcachepools")
+    assert pools["columns"] == ["Name", "Ready", "Domain", "Seed", "Members", "Age"]
+    assert pools["demo"][:5] == ["demo", "True", fingerprint, "0", 2]
+    p2p = await _table(url, "p2pgroups")
+    assert p2p["columns"] == ["Name", "Pool", "Instances", "TP", "Ready", "Age"]
+    assert p2p["demo-p2p"][:5] == ["demo-p2p", "demo", 2, "1", "True"]
+    pd = await _table(url, "pdpairs")
+    assert pd["demo-pd"][:5] == ["demo-pd", "demo", 2, "1/1", "True"]
+    assert all(str(t[n][-1]).endswith("s") for t, n in ((pools, "demo"), (p2p, "demo-p2p")))

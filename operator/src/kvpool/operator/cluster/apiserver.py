@@ -9,8 +9,9 @@ real clients depend on:
   graceful pod deletion, LIST -> WATCH continuity with bookmarks and 410 Gone;
 - CRDs installed through the API (``registry.py``): discovery, OpenAPI v2 (protobuf) and v3,
   custom resources pruned, defaulted and validated by their structural schema and CEL rules;
-- the status and scale subresources, PUT, the four PATCH types (``patches.py``), dry runs,
-  label and field selectors (``selectors.py``), server-side Table output (``tables.py``);
+- writes (``writes.py``): the status and scale subresources, PUT, the four PATCH types
+  (``patches.py``), dry runs;
+- label and field selectors (``selectors.py``), server-side Table output (``tables.py``);
 - validating admission webhooks (``admission.py``) and the services proxy, when the cluster
   provides them (``kvpool-operator cluster``).
 
@@ -25,19 +26,19 @@ import datetime
 import json
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import aiohttp.web
 import attrs
 import kmock
-import yaml
 from kmock._internal import parsing, rendering
 
-from kvpool.operator.cluster import patches, protobuf, selectors, structural, tables
+from kvpool.operator.cluster import patches, protobuf, selectors, tables
 from kvpool.operator.cluster.admission import AdmissionError
-from kvpool.operator.cluster.registry import Kind, Registry, res_of
-from kvpool.operator.cluster.store import Obj, Res, Store, StoreError, copy_json, events, now_stamp
+from kvpool.operator.cluster.registry import SERVER_VERSION, Kind, Registry, res_of
+from kvpool.operator.cluster.store import Obj, Res, Store, StoreError, events
+from kvpool.operator.cluster.writes import NAMESPACES, Admission, Writes, error, method_of
 
 _kmock_parse_path = parsing.parse_path
 
@@ -59,8 +60,6 @@ def _parse_path(path: str) -> parsing.ParsedPath:
 
 parsing.parse_path = _parse_path
 
-CRD_RES = Res("apiextensions.k8s.io", "v1", "customresourcedefinitions")
-NAMESPACES = Res("", "v1", "namespaces")
 #: How many connections the server's socket queues: kopf opens ~400 at once for 100 pools.
 LISTEN_BACKLOG = 4096
 INITIAL_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
@@ -77,40 +76,12 @@ def widen_backlog(server: kmock.Server, backlog: int = LISTEN_BACKLOG) -> None:
                 dup.listen(backlog)
 
 
-def _method(request: rendering.Request) -> str:
-    """The HTTP method's name (kmock keeps it as an enum)."""
-    method = request.method
-    return str(getattr(method, "value", method)).upper()
-
-
-def error(status: int, reason: str, message: str, **details: Any) -> kmock.KubernetesError:
-    return kmock.KubernetesError(
-        status=status, reason=reason, message=message, details=details or {"causes": []}
-    )
-
-
-class Admission(Protocol):
-    """Validating admission (``admission.Webhooks``): raises a KubernetesError to refuse, else
-    returns the warnings to pass on to the client."""
-
-    async def review(
-        self,
-        operation: str,
-        kind: Kind,
-        obj: Obj | None,
-        old: Obj | None,
-        request: Any,
-        subresource: str | None,
-        dry_run: bool,
-    ) -> list[str]: ...
-
-
 #: (namespace, service, port name or number) -> (host, port) of a backend, or None.
 ServiceResolver = Callable[[str, str, str], Awaitable[tuple[str, int] | None]]
 
 
 @attrs.define(kw_only=True)
-class ApiServer(kmock.KubernetesEmulator):
+class ApiServer(Writes, kmock.KubernetesEmulator):
     """The API server described in the module docstring."""
 
     declare_kvpool: bool = True
@@ -175,7 +146,7 @@ class ApiServer(kmock.KubernetesEmulator):
             return aiohttp.web.Response(text="ok")
         discovery = self._discovery(request)
         if discovery is not None:
-            return aiohttp.web.json_response(await discovery)
+            return aiohttp.web.json_response(discovery)
         if request.resource is not None and request.resource.plural is not None:
             try:
                 return await self._resource(request)
@@ -209,116 +180,45 @@ class ApiServer(kmock.KubernetesEmulator):
             raise error(404, "NotFound", f"no OpenAPI v3 document at {path}")
         return aiohttp.web.json_response(doc)
 
-    # -- discovery: kmock's, with preferred versions the way the API server orders them -----------
-    def _discovery(self, request: rendering.Request) -> Awaitable[Any] | None:
+    # -- discovery ---------------------------------------------------------------------------------
+    def _discovery(self, request: rendering.Request) -> Any:
+        """The discovery documents (None: not a discovery path)."""
         parts = request.url.path.strip("/").split("/")
-        if _method(request) != "GET":
+        if method_of(request) != "GET":
             return None
         if parts == ["api"]:
-            return self._serve_api(request)
+            return {"kind": "APIVersions", "versions": ["v1"]}
         if parts == ["apis"]:
-            return self._serve_apis(request)
+            return self.registry.api_group_list()
         if parts == ["version"]:
-            return self._serve_server_version(request)
+            return SERVER_VERSION
         if parts == [""]:
-            return self._serve_root(request)
+            paths = {
+                "/api",
+                "/api/v1",
+                "/apis",
+                "/openapi/v2",
+                "/openapi/v3",
+                "/version",
+                "/healthz",
+                "/readyz",
+                "/livez",
+            }
+            for group, versions in self.registry.group_versions().items():
+                paths |= {f"/apis/{group}"} | {f"/apis/{group}/{v}" for v in versions}
+            return {"paths": sorted(paths)}
         if len(parts) == 2 and parts[0] == "apis":
-            return self._serve_group(request)
+            served = self.registry.group_versions().get(parts[1])
+            if served is None:
+                raise error(404, "NotFound", "the server could not find the requested resource")
+            return Registry.api_group(parts[1], served)
         if (len(parts) == 3 and parts[0] == "apis") or (len(parts) == 2 and parts[0] == "api"):
-            return self._serve_version(request)
+            group, version = (parts[1], parts[2]) if parts[0] == "apis" else ("", parts[1])
+            found = self.registry.api_resource_list(group, version)
+            if found is None:
+                raise error(404, "NotFound", "the server could not find the requested resource")
+            return found
         return None
-
-    @staticmethod
-    def _priority(version: str) -> tuple[int, int, int]:
-        import re  # noqa: PLC0415
-
-        m = re.fullmatch(r"v(\d+)(?:(alpha|beta)(\d+))?", version)
-        if m is None:
-            return (0, 0, 0)
-        stage = {"alpha": 1, "beta": 2, None: 3}[m.group(2)]
-        return (stage, int(m.group(1)), int(m.group(3) or 0))
-
-    async def _serve_apis(self, request: rendering.Request) -> rendering.Payload:
-        body: dict[str, Any] = await super()._serve_apis(request)  # type: ignore[assignment]
-        for group in body["groups"]:
-            versions = sorted(
-                (v["version"] for v in group["versions"]), key=self._priority, reverse=True
-            )
-            group["versions"] = [
-                {"groupVersion": f"{group['name']}/{v}", "version": v} for v in versions
-            ]
-            group["preferredVersion"] = group["versions"][0]
-        return body
-
-    async def _serve_group(self, request: rendering.Request) -> rendering.Payload:
-        body: dict[str, Any] = await super()._serve_group(request)  # type: ignore[assignment]
-        versions = sorted(
-            (v["version"] for v in body["versions"]), key=self._priority, reverse=True
-        )
-        body["versions"] = [{"groupVersion": f"{body['name']}/{v}", "version": v} for v in versions]
-        body["preferredVersion"] = body["versions"][0]
-        return body
-
-    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
-        """An APIResourceList: each resource, then each of its subresources."""
-        assert request.resource is not None
-        group, version = request.resource.group or "", request.resource.version
-        out = []
-        for kind in self.registry.served():
-            if (kind.res.group, kind.res.version) != (group, version):
-                continue
-            info = self.resources[
-                f"{group}/{version}/{kind.res.plural}" if group else f"{version}/{kind.res.plural}"
-            ]
-            out.append(
-                {
-                    "name": kind.res.plural,
-                    "singularName": info.singular or kind.kind.lower(),
-                    "namespaced": kind.namespaced,
-                    "kind": kind.kind,
-                    "verbs": sorted(info.verbs),
-                    "shortNames": sorted(info.shortnames),
-                    "categories": sorted(info.categories),
-                }
-            )
-            for sub in sorted(info.subresources):
-                sub_kind = {
-                    "scale": "Scale",
-                    "eviction": "Eviction",
-                    "token": "TokenRequest",
-                    "binding": "Binding",
-                }.get(sub, kind.kind)
-                entry = {
-                    "name": f"{kind.res.plural}/{sub}",
-                    "singularName": "",
-                    "namespaced": kind.namespaced,
-                    "kind": sub_kind,
-                    "verbs": ["get", "patch", "update"],
-                }
-                if sub == "scale":
-                    entry.update(group="autoscaling", version="v1")
-                out.append(entry)
-        if not out and group:
-            raise error(404, "NotFound", "the server could not find the requested resource")
-        return {
-            "kind": "APIResourceList",
-            "apiVersion": "v1",
-            "groupVersion": f"{group}/{version}" if group else version,
-            "resources": out,
-        }
-
-    async def _serve_server_version(self, request: rendering.Request) -> rendering.Payload:
-        return {
-            "major": "1",
-            "minor": "32",
-            "gitVersion": "v1.32.0-kvpool",
-            "gitCommit": "",
-            "gitTreeState": "clean",
-            "buildDate": "2025-01-01T00:00:00Z",
-            "goVersion": "",
-            "compiler": "kvpool",
-            "platform": "linux/amd64",
-        }
 
     # -- resources -------------------------------------------------------------------------------
     def _kind(self, request: rendering.Request) -> Kind:
@@ -331,7 +231,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _resource(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         kind = self._kind(request)
-        method, name, sub = _method(request), request.name, request.subresource
+        method, name, sub = method_of(request), request.name, request.subresource
         ns = request.namespace if kind.namespaced else None
         if sub is not None and sub.startswith("proxy") and kind.res == ("", "v1", "services"):
             return await self._proxy(request, ns or "default", str(name), sub)
@@ -496,255 +396,6 @@ class ApiServer(kmock.KubernetesEmulator):
         transport = raw.transport if raw is not None else None
         return transport is None or transport.is_closing()
 
-    # -- writes ----------------------------------------------------------------------------------
-    def _body(self, request: rendering.Request) -> Any:
-        ctype = request.headers.get("Content-Type", "")
-        if "yaml" in ctype:
-            return yaml.safe_load(request.text or "null")
-        return request.data
-
-    def _checked(self, kind: Kind, obj: Obj, old: Obj | None, status: bool = False) -> Obj:
-        """A custom resource pruned, defaulted and validated by its CRD's schema (422)."""
-        schema = kind.schema
-        if schema is None:
-            return obj
-        out, errors = structural.admit(obj, schema, old)
-        if errors:
-            name = obj.get("metadata", {}).get("name", "")
-            raise error(
-                422,
-                "Invalid",
-                structural.invalid_message(kind.qualified(), name, errors),
-                name=name,
-                group=kind.res[0],
-                kind=kind.kind,
-                causes=[
-                    {
-                        "reason": "FieldValueInvalid",
-                        "field": e.split(": ", 1)[0],
-                        "message": e.split(": ", 1)[-1],
-                    }
-                    for e in errors
-                ],
-            )
-        return out
-
-    async def _review(
-        self,
-        request: rendering.Request,
-        operation: str,
-        kind: Kind,
-        obj: Obj | None,
-        old: Obj | None,
-        sub: str | None = None,
-    ) -> None:
-        if self.admission is None:
-            return
-        warnings = await self.admission.review(
-            operation,
-            kind,
-            obj,
-            old,
-            self._user(request),
-            sub,
-            request.params.get("dryRun") == "All",
-        )
-        self._warnings.setdefault(id(request), []).extend(warnings)
-
-    def _user(self, request: rendering.Request) -> dict[str, Any]:
-        auth = request.headers.get("Authorization", "")
-        token = auth.split(" ", 1)[1] if auth.lower().startswith("bearer ") else ""
-        return self.users.get(
-            token, {"username": "system:anonymous", "groups": ["system:unauthenticated"]}
-        )
-
-    async def _create(self, request: rendering.Request, kind: Kind, ns: str | None) -> Obj:
-        body = self._body(request)
-        if not isinstance(body, dict):
-            raise error(400, "BadRequest", "the body of a create must be an object")
-        body.setdefault("apiVersion", kind.api_version)
-        body.setdefault("kind", kind.kind)
-        given = (body.get("metadata") or {}).get("namespace")
-        if ns and given and given != ns:
-            raise error(
-                400,
-                "BadRequest",
-                "the namespace of the provided object does not match "
-                "the namespace sent on the request",
-            )
-        if kind.namespaced and not ns:
-            ns = given or "default"
-        if ns and kind.res != NAMESPACES and self.store.find(NAMESPACES, None, ns) is None:
-            raise error(404, "NotFound", f'namespaces "{ns}" not found')
-        dry = request.params.get("dryRun") == "All"
-        obj = self._checked(kind, self.store.create(kind.res, ns, body, commit=False), None)
-        await self._review(request, "CREATE", kind, obj, None)
-        if dry:
-            return obj
-        obj = self.store.create(kind.res, ns, obj)
-        return self._after_create(kind, obj)
-
-    def _after_create(self, kind: Kind, obj: Obj) -> Obj:
-        if kind.res == CRD_RES:
-            self.registry.declare(obj)
-            self._isolate_status()
-            new = {**obj, "status": Registry.established(obj, now_stamp())}
-            return self.store.replace(CRD_RES, obj, new, status=True)
-        if kind.res == NAMESPACES:
-            new = {**obj, "status": {"phase": "Active"}}
-            return self.store.replace(NAMESPACES, obj, new, status=True)
-        return obj
-
-    def _patched(self, request: rendering.Request, kind: Kind, old: Obj) -> Obj:
-        ctype = request.headers.get("Content-Type", "")
-        body = self._body(request)
-        if _method(request) == "PUT":
-            if not isinstance(body, dict):
-                raise error(400, "BadRequest", "the body of a replace must be an object")
-            return body
-        if "json-patch" in ctype:
-            out: Obj = patches.json_patch(old, body)
-            return out
-        if "merge-patch" in ctype:
-            return dict(patches.merge_patch(old, body))
-        schema, resolve = self.registry.patch_schema(kind)
-        if "strategic-merge-patch" in ctype:
-            if kind.crd is not None or kind.schema is not None:
-                raise error(
-                    415,
-                    "UnsupportedMediaType",
-                    "strategic merge patch is not supported for custom resources",
-                )
-            return dict(patches.strategic_merge(old, body, schema, resolve))
-        if "apply-patch" in ctype:
-            return dict(patches.apply(old, body, schema, resolve))
-        raise error(415, "UnsupportedMediaType", f"the media type {ctype!r} is not supported")
-
-    async def _write(
-        self, request: rendering.Request, kind: Kind, ns: str | None, name: str, sub: str | None
-    ) -> Obj:
-        old = self.store.find(kind.res, ns, name)
-        apply = "apply-patch" in request.headers.get("Content-Type", "")
-        if old is None and (apply or _method(request) == "PUT") and sub is None:
-            body = self._body(request)
-            if isinstance(body, dict):
-                body.setdefault("metadata", {})["name"] = name
-                created = await self._create_from(request, kind, ns, body)
-                created["__created__"] = True
-                return created
-        if old is None:
-            raise StoreError(404, "NotFound", f'{kind.res[2]} "{name}" not found')
-        if sub == "scale":
-            return await self._write_scale(request, kind, old)
-        new = self._patched(request, kind, old)
-        status = sub == "status"
-        candidate = self.store.replace(kind.res, old, new, status=status, commit=False)
-        candidate = self._checked(kind, candidate, old, status)
-        await self._review(request, "UPDATE", kind, candidate, old, sub)
-        if request.params.get("dryRun") == "All":
-            return candidate
-        return self.store.replace(kind.res, old, candidate, status=status)
-
-    async def _create_from(
-        self, request: rendering.Request, kind: Kind, ns: str | None, body: Obj
-    ) -> Obj:
-        body.setdefault("apiVersion", kind.api_version)
-        body.setdefault("kind", kind.kind)
-        obj = self._checked(kind, self.store.create(kind.res, ns, body, commit=False), None)
-        await self._review(request, "CREATE", kind, obj, None)
-        if request.params.get("dryRun") == "All":
-            return obj
-        return self._after_create(kind, self.store.create(kind.res, ns, obj))
-
-    # -- scale -------------------------------------------------------------------------------------
-    def _scale(self, kind: Kind, obj: Obj) -> Obj:
-        scale = kind.scale
-        if scale is None:
-            raise error(404, "NotFound", f"{kind.res[2]} has no scale subresource")
-        status_path = scale.get("statusReplicasPath", ".status.replicas")
-        selector = (
-            tables.jsonpath(obj, scale["labelSelectorPath"])
-            if scale.get("labelSelectorPath")
-            else None
-        )
-        meta = obj["metadata"]
-        out: Obj = {
-            "kind": "Scale",
-            "apiVersion": "autoscaling/v1",
-            "metadata": {
-                k: meta[k]
-                for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
-                if k in meta
-            },
-            "spec": {"replicas": int(tables.jsonpath(obj, scale["specReplicasPath"]) or 0)},
-            "status": {"replicas": int(tables.jsonpath(obj, status_path) or 0)},
-        }
-        if selector:
-            out["status"]["selector"] = str(selector)
-        return out
-
-    async def _write_scale(self, request: rendering.Request, kind: Kind, old: Obj) -> Obj:
-        current = self._scale(kind, old)
-        body = self._body(request)
-        ctype = request.headers.get("Content-Type", "")
-        if _method(request) == "PUT":
-            wanted = body
-        elif "json-patch" in ctype:
-            wanted = patches.json_patch(current, body)
-        else:
-            wanted = patches.merge_patch(current, body)
-        replicas = int((wanted.get("spec") or {}).get("replicas", 0))
-        new = copy_json(old)
-        node = new
-        *parents, leaf = kind.scale["specReplicasPath"].strip(".").split(".")  # type: ignore[index]
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = replicas
-        candidate = self._checked(kind, self.store.replace(kind.res, old, new, commit=False), old)
-        await self._review(request, "UPDATE", kind, candidate, old, "scale")
-        if request.params.get("dryRun") != "All":
-            candidate = self.store.replace(kind.res, old, candidate)
-        return self._scale(kind, candidate)
-
-    # -- delete ----------------------------------------------------------------------------------
-    async def _delete(
-        self, request: rendering.Request, kind: Kind, ns: str | None, name: str
-    ) -> Obj:
-        options = request.data if isinstance(request.data, dict) else {}
-        params = request.params
-        propagation = params.get("propagationPolicy") or options.get("propagationPolicy")
-        if options.get("orphanDependents") is True:
-            propagation = "Orphan"
-        grace = params.get("gracePeriodSeconds", options.get("gracePeriodSeconds"))
-        old = self.store.get(kind.res, ns, name)
-        await self._review(request, "DELETE", kind, None, old)
-        if params.get("dryRun") == "All" or "All" in (options.get("dryRun") or []):
-            return old
-        if kind.res == CRD_RES:
-            for res in self.registry.forget(old):
-                for obj in self.store.list(res):
-                    self.store.delete(
-                        res, obj["metadata"].get("namespace"), obj["metadata"]["name"]
-                    )
-            self._isolate_status()
-        if kind.res == NAMESPACES:
-            self._empty_namespace(name)
-        uid = (options.get("preconditions") or {}).get("uid")
-        return self.store.delete(
-            kind.res,
-            ns,
-            name,
-            propagation=str(propagation or "Background"),
-            grace=None if grace is None else int(grace),
-            precondition_uid=uid,
-        )
-
-    def _empty_namespace(self, namespace: str) -> None:
-        for kind in self.registry.served():
-            if kind.namespaced:
-                for obj in self.store.list(kind.res, namespace):
-                    self.store.delete(kind.res, namespace, obj["metadata"]["name"], grace=0)
-
     # -- services proxy ----------------------------------------------------------------------------
     async def _proxy(
         self, request: rendering.Request, ns: str, name: str, sub: str
@@ -762,7 +413,7 @@ class ApiServer(kmock.KubernetesEmulator):
         async with (
             aiohttp.ClientSession(timeout=timeout) as http,
             http.request(
-                _method(request),
+                method_of(request),
                 url,
                 params=request.params,
                 data=request.body or None,

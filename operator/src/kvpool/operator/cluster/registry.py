@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources as pkg_resources
@@ -26,6 +27,34 @@ from kvpool.operator.cluster.store import Res
 VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
 #: kubernetes-validate's schema set matching the kubectl on these machines (1.32).
 SCHEMA_VERSION = "v1.32.0-local"
+
+
+_SUBRESOURCE_KINDS = {
+    "scale": "Scale",
+    "eviction": "Eviction",
+    "token": "TokenRequest",
+    "binding": "Binding",
+}
+SERVER_VERSION = {
+    "major": "1",
+    "minor": "32",
+    "gitVersion": "v1.32.0-kvpool",
+    "gitCommit": "",
+    "gitTreeState": "clean",
+    "buildDate": "2025-01-01T00:00:00Z",
+    "goVersion": "",
+    "compiler": "kvpool",
+    "platform": "linux/amd64",
+}
+
+
+def version_priority(version: str) -> tuple[int, int, int]:
+    """How the API server orders versions: GA over beta over alpha, then by number."""
+    m = re.fullmatch(r"v(\d+)(?:(alpha|beta)(\d+))?", version)
+    if m is None:
+        return (0, 0, 0)
+    stage = {"alpha": 1, "beta": 2, None: 3}[m.group(2)]
+    return (stage, int(m.group(1)), int(m.group(3) or 0))
 
 
 @functools.cache
@@ -49,6 +78,7 @@ class Kind:
     kind: str
     namespaced: bool
     crd: Mapping[str, Any] | None = None  # the CRD's version entry, for custom resources
+    validated: bool = True  # False: served without its schema (the operator's emulator tests)
 
     @property
     def api_version(self) -> str:
@@ -58,7 +88,7 @@ class Kind:
     def schema(self) -> Mapping[str, Any] | None:
         """The structural schema of a custom resource (None for built-ins and for kinds
         declared without a CRD)."""
-        if self.crd is None:
+        if self.crd is None or not self.validated:
             return None
         schema: Mapping[str, Any] | None = (self.crd.get("schema") or {}).get("openAPIV3Schema")
         return schema
@@ -138,7 +168,8 @@ class Registry:
                 res,
                 names["kind"],
                 spec.get("scope", "Namespaced") == "Namespaced",
-                version if with_schema else None,
+                version,
+                with_schema,
             )
             out.append(res)
         if with_schema:
@@ -233,6 +264,72 @@ class Registry:
             return node
 
         return (defs.get(name) if name else None), resolve
+
+    # -- discovery -------------------------------------------------------------------------------
+    def _info(self, kind: Kind) -> Any:
+        res = kind.res
+        return self.discovery[f"{res[0]}/{res[1]}/{res[2]}" if res[0] else f"{res[1]}/{res[2]}"]
+
+    def group_versions(self) -> dict[str, list[str]]:
+        """Every API group (not the core one) and its versions, preferred first."""
+        groups: dict[str, set[str]] = {}
+        for kind in self.served():
+            if kind.res.group:
+                groups.setdefault(kind.res.group, set()).add(kind.res.version)
+        return {g: sorted(v, key=version_priority, reverse=True) for g, v in sorted(groups.items())}
+
+    @staticmethod
+    def api_group(name: str, versions: list[str]) -> dict[str, Any]:
+        listed = [{"groupVersion": f"{name}/{v}", "version": v} for v in versions]
+        return {
+            "kind": "APIGroup",
+            "apiVersion": "v1",
+            "name": name,
+            "versions": listed,
+            "preferredVersion": listed[0],
+        }
+
+    def api_group_list(self) -> dict[str, Any]:
+        groups = [self.api_group(g, v) for g, v in self.group_versions().items()]
+        return {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}
+
+    def api_resource_list(self, group: str, version: str) -> dict[str, Any] | None:
+        """Each resource of a group-version, then each of its subresources (None: not served)."""
+        out: list[dict[str, Any]] = []
+        for kind in self.served():
+            if (kind.res.group, kind.res.version) != (group, version):
+                continue
+            info = self._info(kind)
+            out.append(
+                {
+                    "name": kind.res.plural,
+                    "singularName": info.singular or kind.kind.lower(),
+                    "namespaced": kind.namespaced,
+                    "kind": kind.kind,
+                    "verbs": sorted(info.verbs),
+                    "shortNames": sorted(info.shortnames),
+                    "categories": sorted(info.categories),
+                }
+            )
+            for sub in sorted(info.subresources):
+                entry: dict[str, Any] = {
+                    "name": f"{kind.res.plural}/{sub}",
+                    "singularName": "",
+                    "namespaced": kind.namespaced,
+                    "kind": _SUBRESOURCE_KINDS.get(sub, kind.kind),
+                    "verbs": ["get", "patch", "update"],
+                }
+                if sub == "scale":
+                    entry.update(group="autoscaling", version="v1")
+                out.append(entry)
+        if not out and group:
+            return None
+        return {
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": f"{group}/{version}" if group else version,
+            "resources": out,
+        }
 
     # -- tables --------------------------------------------------------------------------------
     def columns(self, kind: Kind) -> list[tables.Column]:
