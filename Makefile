@@ -50,6 +50,11 @@ demo: install ## Run examples/cpu-demo.yaml locally (kvpool-operator up) and rep
 	@mkdir -p bench-results
 	PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false $(BIN)/kvpool-operator demo -f examples/cpu-demo.yaml --plot bench-results/demo.png
 
+.PHONY: demo-cluster
+demo-cluster: install ## make demo's workload the way a user runs it: kvpool-operator cluster up, helm install, kubectl apply/wait/get
+	@mkdir -p bench-results
+	PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false $(BIN)/kvpool-operator cluster demo -f examples/cpu-demo.yaml --plot bench-results/demo-cluster.png
+
 ##@ Checks
 .PHONY: lint fmt test test-%
 lint: install ## ruff (lint + format check), mypy --strict, import-linter contracts

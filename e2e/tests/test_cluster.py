@@ -219,7 +219,7 @@ def test_a_request_through_the_gateway_service_hits_the_previous_ones_kv(
     poll(
         "every instance registered",
         lambda: all(registered(controller, i) for i in ids.values()),
-        60,
+        READY_S,
     )
     msgs = messages("the cluster's harbor", 120)
     toks = tokens(cluster.url("simsmall-sim-0"), msgs)
@@ -227,7 +227,11 @@ def test_a_request_through_the_gateway_service_hits_the_previous_ones_kv(
     first = chat(gateway, msgs)
     served = first.headers["x-kvpool-instance"]
     assert served in INSTANCES
-    poll("the prefix indexed", lambda: prefix_hits(controller, toks).get(ids[served], 0) >= full)
+    poll(
+        "the prefix indexed",
+        lambda: prefix_hits(controller, toks).get(ids[served], 0) >= full,
+        READY_S,
+    )
     again = chat(gateway, msgs)
     assert again.headers["x-kvpool-instance"] == served, again.headers
     assert again.headers["x-kvpool-route-reason"] == "kv-hit", again.headers
@@ -264,7 +268,7 @@ def test_scale_a_deleted_pod_recreated_and_a_spec_change_rolling_the_domain(
         "the fourth instance gone",
         lambda: set(_pods(cluster)) >= {f"{i}-0" for i in INSTANCES[:3]}
         and "simsmall-sim-3-0" not in _pods(cluster),
-        60,
+        READY_S,
     )
     assert cluster.json("get", "p2pgroup", "simsmall-sim")["spec"]["replicas"] == 3
     poll(
@@ -273,7 +277,7 @@ def test_scale_a_deleted_pod_recreated_and_a_spec_change_rolling_the_domain(
         .get("status", {})
         .get("instancesDesired")
         == 3,
-        60,
+        READY_S,
     )
 
     controller = cluster.url("simsmall-controller", "9000")
@@ -291,7 +295,7 @@ def test_scale_a_deleted_pod_recreated_and_a_spec_change_rolling_the_domain(
     poll(
         "the instance registered again",
         lambda: _registration(controller, ids["simsmall-sim-0"]) > before,
-        60,
+        READY_S,
     )
 
     old = {n: p["metadata"]["uid"] for n, p in _pods(cluster).items()}
@@ -303,7 +307,7 @@ def test_scale_a_deleted_pod_recreated_and_a_spec_change_rolling_the_domain(
         "a new fingerprint",
         lambda: cluster.json("get", "kvcachepool", "simsmall")["status"].get("domainFingerprint")
         not in (None, fingerprint),
-        60,
+        READY_S,
     )
     cluster.kubectl(
         "wait",
@@ -326,7 +330,7 @@ def test_scale_a_deleted_pod_recreated_and_a_spec_change_rolling_the_domain(
     poll(
         "the new instances registered",
         lambda: all(registered(controller, i) for i in new_ids.values()),
-        60,
+        READY_S,
     )
     for pod in _pods(cluster).values():
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env", [])}

@@ -339,7 +339,7 @@ class Kubelet:
         else:
             ready = await self._get(run.probe[1], run.probe[0])
         # Until Ready, probe often (a pod is not waited on for a whole period); then by period.
-        run.next_probe = now + (run.period_s if ready or run.container.ready else 0.5)
+        run.next_probe = now + (run.period_s if ready or run.container.ready else 1.0)
         if ready:
             run.failures = 0
         else:

@@ -300,6 +300,11 @@ def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     u.add_argument("--detach", action="store_true", help="run in the background; return once up")
     d = sub.add_parser("down", help="stop the cluster and every pod process")
     d.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
+    m = sub.add_parser("demo", help="make demo's workload through cluster up, Helm and kubectl")
+    m.add_argument("-f", "--filename", action="append", required=True, help="YAML file")
+    m.add_argument("--state-dir", default=".kvpool/demo-cluster")
+    m.add_argument("--plot", default="bench-results/demo-cluster.png")
+    m.add_argument("--chart", default="charts/kvpool")
     s = sub.add_parser("url", help="print http://127.0.0.1:PORT of a Service port")
     s.add_argument("service")
     s.add_argument("-n", "--namespace", default="default")
@@ -309,6 +314,20 @@ def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     state_dir = Path(args.state_dir)
     if args.command == "down":
         return down(state_dir, out)
+    if args.command == "demo":
+        from kvpool.operator.cluster import demo  # noqa: PLC0415
+        from kvpool.operator.local.demo import DemoError  # noqa: PLC0415
+
+        try:
+            return demo.run(args.filename, state_dir, Path(args.plot), Path(args.chart), out)
+        except (DemoError, RuntimeError) as exc:
+            print(f"kvpool-operator cluster demo: FAILED: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(
+                "kvpool-operator cluster demo: interrupted; the cluster is stopped", file=sys.stderr
+            )
+            return 130
     if args.command == "url":
         try:
             print(service_url(state_dir, args.namespace, args.service, args.port), file=out)
