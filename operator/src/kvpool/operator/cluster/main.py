@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from kvpool.operator.cluster.admission import Webhooks
 from kvpool.operator.cluster.apiserver import ApiServer, widen_backlog
 from kvpool.operator.cluster.controllers import ControllerManager
 from kvpool.operator.cluster.kubelet import Kubelet, kubeconfig
-from kvpool.operator.local.stack import free_port, pid_alive, stop_group, terminate
+from kvpool.operator.local.stack import free_port, pid_alive, reap, stop_group, terminate
 
 log = logging.getLogger(__name__)
 DEFAULT_STATE_DIR = ".kvpool/cluster"
@@ -270,14 +271,8 @@ class ClusterProcess:
         return read_state(self.state_dir) or {}
 
     def stop(self) -> int | None:
-        down(self.state_dir, open(os.devnull, "w"))  # noqa: SIM115 (closed with the process)
-        if self.proc is None:
-            return None
-        try:
-            return self.proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=10)
+        down(self.state_dir, io.StringIO())
+        return reap(self.proc, 90)
 
     def __enter__(self) -> ClusterProcess:
         return self

@@ -380,6 +380,17 @@ def terminate(pid: int, grace_s: float) -> None:
         time.sleep(0.2)
 
 
+def reap(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> int | None:
+    """The exit code of a supervisor told to stop (SIGKILL after ``timeout_s``)."""
+    if proc is None:
+        return None
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=10)
+
+
 def stop_group(
     pgid: int, grace_s: float = 15.0, proc: subprocess.Popen[bytes] | None = None
 ) -> int | None:

@@ -13,7 +13,6 @@ directory, so ``down`` can stop them from another shell.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import io
 import json
@@ -44,8 +43,10 @@ from kvpool.operator.local.stack import (
     LocalStack,
     Running,
     pid_alive,
+    reap,
     resolve_command,
     stop_group,
+    terminate,
     wait_port,
 )
 from kvpool.operator.render import render_domain
@@ -320,13 +321,7 @@ def down(state_dir: Path, out: TextIO, grace_s: float = 30.0) -> int:
     if state is None:
         print(f"nothing is up from {state_dir} (no {STATE_FILE})", file=out)
         return 0
-    up_pid = int(state["up_pid"])
-    if pid_alive(up_pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(up_pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while pid_alive(up_pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
+    terminate(int(state["up_pid"]), grace_s)
     for name, proc in state.get("processes", {}).items():
         pgid = int(proc["pgid"])
         if pid_alive(pgid):
@@ -393,13 +388,7 @@ class UpProcess:
     def stop(self) -> int | None:
         """``kvpool-operator down`` for this state dir; the exit code of ``up``."""
         down(self.state_dir, io.StringIO())
-        if self.proc is None:
-            return None
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=10)
+        return reap(self.proc, 60)
 
     def __enter__(self) -> UpProcess:
         return self
