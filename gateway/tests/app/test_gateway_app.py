@@ -138,7 +138,7 @@ async def test_503s_are_retried_on_another_instance() -> None:
         # every instance draining: 503 in OpenAI's shape, never a traceback
         a.fail_503, b.fail_503 = 10, 10
         r = await client.post("/v1/completions", json=PROMPT)
-        assert r.status_code == 503
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
         err = r.json()["error"]
         assert err["code"] == "unavailable" and "draining" in err["message"]
 
@@ -300,6 +300,24 @@ async def test_no_ready_instance_is_503_and_readyz_unavailable() -> None:
         assert (await client.get("/readyz")).status_code == 503
         r = await client.post("/v1/completions", json={"prompt": [1, 2, 3]})
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_instance_available"
+        assert r.headers["retry-after"] == "1"  # a client that retries waits a probe, not less
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "code"), [("reference", "upstream_unreachable"), (None, "tokenize_failed")]
+)
+async def test_every_instance_unreachable_is_502_with_retry_after(
+    tokenizer: str | None, code: str
+) -> None:
+    extra: dict[str, Any] = {"limits": {"healthIntervalSeconds": 30, "retries": 1}}  # no probes
+    if tokenizer:
+        extra["tokenizer"] = tokenizer  # else the gateway tokenizes on an instance, and fails
+    async with gateway([], dead=["d0", "d1"], extra=extra) as (client, state):
+        for name in ("d0", "d1"):
+            state.instances.by_name[name].ready = True  # as if their last probe had passed
+        r = await client.post("/v1/completions", json={"prompt": "abcdefghijklmnop"})
+    assert r.status_code == 502 and r.json()["error"]["code"] == code, r.text
+    assert r.headers["retry-after"] == "1"
 
 
 async def test_api_keys_and_rate_limit() -> None:

@@ -59,10 +59,21 @@ def bad_request(
     return GatewayError(message, param=param, code=code)
 
 
-def upstream_error(status: int, message: str, code: str) -> GatewayError:
-    """502 (bad answer), 503 (nobody available) or 504 (timed out)."""
+#: Seconds a client should wait before it sends again a request the gateway could not place
+#: (``Retry-After``): about one readiness probe, the time the gateway's view takes to change.
+RETRY_AFTER_S = 1
+
+
+def upstream_error(
+    status: int, message: str, code: str, *, retry_after: bool | None = None
+) -> GatewayError:
+    """502 (bad answer), 503 (nobody available) or 504 (timed out). ``retry_after`` (default:
+    for a 503) adds ``Retry-After``: the same request may succeed shortly (an instance
+    restarting, draining or unreachable for now), which clients that retry wait for."""
     kind = {502: "bad_gateway", 503: "service_unavailable", 504: "timeout"}.get(status, "api_error")
-    return GatewayError(message, status=status, type_=kind, code=code)
+    after = status == 503 if retry_after is None else retry_after
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if after else None
+    return GatewayError(message, status=status, type_=kind, code=code, headers=headers)
 
 
 def validation_error(errors: Sequence[Any]) -> GatewayError:

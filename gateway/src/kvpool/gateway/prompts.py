@@ -74,7 +74,9 @@ class RemoteEncoder:
             if status == 200 and isinstance(payload, dict):
                 return [int(t) for t in payload["tokens"]]
             last = f"{inst.name}: HTTP {status}"
-        raise upstream_error(502, f"tokenization failed ({last})", "tokenize_failed")
+        raise upstream_error(
+            502, f"tokenization failed ({last})", "tokenize_failed", retry_after=True
+        )
 
     async def completion(self, prompt: str) -> list[int]:
         return await self._tokenize({"prompt": prompt})

@@ -166,7 +166,9 @@ class Proxy:
         what = f" (last: {last})" if last else ""
         if last is not None and last.kind.startswith("status_"):
             raise upstream_error(503, f"every instance tried is unavailable{what}", "unavailable")
-        raise upstream_error(502, f"no instance could be reached{what}", "upstream_unreachable")
+        raise upstream_error(
+            502, f"no instance could be reached{what}", "upstream_unreachable", retry_after=True
+        )
 
     def _respond(
         self,
