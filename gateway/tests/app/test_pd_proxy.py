@@ -118,6 +118,10 @@ def decode_app(log: dict[str, Any]) -> FastAPI:
             for i, fr in ((0, None), (1, "length")):
                 obj = {**chunk, "choices": [{"index": 0, "text": f"D{i}", "finish_reason": fr}]}
                 yield f"data: {json.dumps(obj)}\n\n".encode()
+            if (body.get("stream_options") or {}).get("include_usage"):
+                use = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 2,
+                       "total_tokens": len(body["prompt"]) + 2}  # fmt: skip
+                yield f"data: {json.dumps({**chunk, 'choices': [], 'usage': use})}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -206,6 +210,26 @@ async def test_streamed_chat_through_pd_is_in_chat_shape() -> None:
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "PD0D1"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert log["decode"]["stream"] is True
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_streamed_usage_counts_the_prefills_token(chat: bool) -> None:
+    log: dict[str, Any] = {}
+    body: dict[str, Any] = {"max_tokens": 3, "stream": True,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = [5, 6, 7, 8, 9]
+    async with pd_gateway(log) as client:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        async with client.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            lines = [ln[6:] async for ln in r.aiter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and log["decode"]["stream_options"] == {"include_usage": True}
+    (usage,) = [json.loads(x)["usage"] for x in lines[:-1] if json.loads(x).get("usage")]
+    prompt = len(log["prefill"]["prompt"])  # the decoder was sent one token more
+    assert usage == {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}
 
 
 async def test_max_tokens_one_is_answered_by_the_prefill_alone() -> None:

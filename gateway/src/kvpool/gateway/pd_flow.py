@@ -259,11 +259,13 @@ async def _stream(pre: dict[str, Any], rest: Any, chat: bool) -> AsyncIterator[b
                 if not line.startswith("data: "):
                     continue
                 payload = line[len("data: ") :]
-                if payload == "[DONE]" or not chat:
+                if payload == "[DONE]" or (not chat and '"usage"' not in payload):
                     yield _sse(payload)
                     continue
                 obj = json.loads(payload)
-                if "choices" in obj and "error" not in obj:
+                if obj.get("usage"):  # the decoder's count: the client's is one token more
+                    obj["usage"] = _usage(pre, obj["usage"])
+                if chat and "choices" in obj and "error" not in obj:
                     obj = _as_chat_chunk(obj)
                 yield _sse(obj)
     finally:
@@ -273,11 +275,17 @@ async def _stream(pre: dict[str, Any], rest: Any, chat: bool) -> AsyncIterator[b
 def _merge(pre: dict[str, Any], dec: dict[str, Any], chat: bool) -> dict[str, Any]:
     first = (pre.get("choices") or [{}])[0].get("text", "")
     choices = [{**c, "text": first + c.get("text", "")} for c in dec.get("choices", [])]
-    usage = dict(dec.get("usage") or {})
-    pre_usage = pre.get("usage") or {}
+    out = {**dec, "choices": choices, "usage": _usage(pre, dec.get("usage"))}
+    return _as_chat(out) if chat else out
+
+
+def _usage(pre: dict[str, Any], decoded: dict[str, Any] | None) -> dict[str, Any]:
+    """The decoder's usage as the client's request sees it: the prompt without the first token
+    (the prefill's), which counts among the completion tokens."""
+    usage = dict(decoded or {})
     if usage:
+        pre_usage = pre.get("usage") or {}
         usage["prompt_tokens"] = pre_usage.get("prompt_tokens", usage.get("prompt_tokens", 0))
         usage["completion_tokens"] = usage.get("completion_tokens", 0) + 1
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    out = {**dec, "choices": choices, "usage": usage}
-    return _as_chat(out) if chat else out
+    return usage
