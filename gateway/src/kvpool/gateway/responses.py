@@ -84,3 +84,8 @@ class PassThroughStream(StreamingResponse):
             task.uncancel()  # our own cancel: the client left, the stream is closed
         finally:
             watcher.cancel()
+            # a cancel that landed in ``send`` leaves the iterator suspended: close it now
+            # (its cleanup frees the load, the admission slot and the upstream connection)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
