@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from promcheck import firing, wait_for_series
 from upstack import (
     CHUNK,
     CLUSTER_REWRITES,
@@ -43,13 +44,14 @@ from upstack import (
 from kvpool.operator.local.plan import Workload, workloads
 from kvpool.operator.local.stack import LocalStack, free_port
 from kvpool.operator.local.up import cluster_from_state, render_files
+from kvpool.operator.monitoring.panels import Needs
 
 P2P = ("demo-p2p-0", "demo-p2p-1")
 
 
 @pytest.fixture(scope="module")
 def domain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Domain]:
-    d = bring_up(tmp_path_factory.mktemp("up"))
+    d = bring_up(tmp_path_factory.mktemp("up"), monitoring=True)
     try:
         yield d
     finally:
@@ -62,8 +64,9 @@ def test_render_runs_verbatim(domain: Domain) -> None:
     and no worker was refused or stopped."""
     state = domain.state
     assert state["ready"]
-    assert set(state["processes"]) == set(domain.rendered)
-    for name, proc in state["processes"].items():
+    assert set(state["processes"]) == {*domain.rendered, "prometheus"}  # up --monitoring's
+    for name in domain.rendered:
+        proc = state["processes"][name]
         assert proc["argv"][0] == domain.rendered[name].argv[0], name
         for line in proc["rewrites"]:
             assert CLUSTER_REWRITES.match(line), (name, line)
@@ -268,3 +271,34 @@ def test_worker_of_another_domain_is_refused_by_the_controller(
         assert "refused" in httpx.get(ready, timeout=5).json()["status"]
         old.close(grace_s=5)  # a test pod: no need for the kubelet's full grace period
     print(json.dumps({"refused": stranger_id}))
+
+
+def test_prometheus_sees_what_only_lmcache_exports_and_the_refusal_alert_fires(
+    domain: Domain,
+) -> None:
+    """Last in the module, after the controller restart (a full sync) and the refused worker
+    above, with one P2P pull and one PD request here (the P2P puller of the tests above was
+    killed since, and its counters with it): every dashboard query and catalogued metric only
+    the real LMCache engine with P2P and PD exports has series in the Prometheus of
+    ``up --monitoring`` (the simulated domain covers the rest: test_monitoring.py), and the
+    refused registration fired KvpoolFingerprintRefused for this pool."""
+    prometheus, gateway = domain.url("prometheus"), domain.url("demo-gateway")
+    a, b, controller = (domain.url(n) for n in (*P2P, "demo-controller"))
+    msgs = messages("the pulled ledger", 60)
+    toks = tokens(a, msgs)
+    full = len(toks) // CHUNK
+    assert chat(a, msgs).text
+    me_a = domain.instance_id(P2P[0])
+    poll("A's chunks", lambda: prefix_hits(controller, toks).get(me_a, 0) >= full)
+    assert chat(b, msgs).cached >= full * CHUNK  # pulled from A
+    reply = chat(gateway, messages("the PD ledger", 40), headers={"x-kvpool-pd": "demo-pd"})
+    assert reply.text and reply.headers["x-kvpool-route-reason"] == "pd", reply.headers
+    wait_for_series(prometheus, Needs.LMCACHE)
+
+    def refused_alert() -> bool:
+        return any(
+            a["alertname"] == "KvpoolFingerprintRefused" and a["pool"] == "demo"
+            for a in firing(prometheus)
+        )
+
+    poll("KvpoolFingerprintRefused firing", refused_alert, 60.0)

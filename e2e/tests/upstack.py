@@ -100,8 +100,9 @@ def _status(url: str) -> int | None:
         return None
 
 
-def bring_up(state_dir: Path) -> Domain:
-    up = UpProcess([str(EXAMPLE)], state_dir)
+def bring_up(state_dir: Path, *, monitoring: bool = False) -> Domain:
+    """The cpu-demo render, up (``monitoring``: with ``up --monitoring``'s Prometheus)."""
+    up = UpProcess([str(EXAMPLE)], state_dir, monitoring=monitoring)
     try:
         up.start(READY_S)
     except Exception:
