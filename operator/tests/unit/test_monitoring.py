@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +150,17 @@ def test_workers_are_told_their_pod_memory_request(example: str) -> None:
             assert MEMORY_BUDGET_ENV not in env
         else:
             assert env[MEMORY_BUDGET_ENV] == str(parse_quantity(request))
+
+
+def test_the_crds_and_the_runtime_import_without_the_dashboard_builder() -> None:
+    """grafana-foundation-sdk is a generate-time dependency: with it unimportable, gen (its CRDs,
+    used by the local cluster) and the runtime still import (import-linter keeps its direct
+    importers to monitoring.grafana, this checks the lazy import in chartgen)."""
+    code = (
+        "import sys; sys.modules['grafana_foundation_sdk'] = None\n"
+        "import kvpool.operator.gen, kvpool.operator.runtime.handlers, kvpool.operator.local.up\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
