@@ -100,7 +100,7 @@ class Controller:
         path = "/readyz" if self.kind == "ours" else "/"
         wait_until(
             lambda: httpx.get(f"http://127.0.0.1:{self.http}{path}", timeout=1).status_code == 200,
-            60,
+            180,  # LMCache's controller imports torch: over a minute on a loaded 2-core box
             f"{self.kind} controller",
         )
         return time.perf_counter() - t0
