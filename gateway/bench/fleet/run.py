@@ -70,8 +70,8 @@ class Settings:
 
 
 def settings(args: argparse.Namespace) -> Settings:
-    count = args.count or (300 if args.quick else 1500)
-    wall = args.wall_s or (75.0 if args.quick else 420.0)
+    count = args.count or (150 if args.quick else 1500)
+    wall = args.wall_s or (40.0 if args.quick else 600.0)
     return Settings(Path(args.trace), args.start, count, wall, args.quick)
 
 
