@@ -72,9 +72,6 @@ class GatewayMetrics:
         self.upstream_errors = Counter(
             "kvpool_gateway_upstream_errors", "Upstream failures", ["instance", "kind"], registry=r
         )
-        self.inflight = Gauge(
-            "kvpool_gateway_inflight", "Requests in flight upstream", ["instance"], registry=r
-        )
         self.queued = Gauge("kvpool_gateway_queued", "Requests waiting for a slot", registry=r)
         self.index_in_sync = Gauge(
             "kvpool_gateway_index_in_sync", "1 while the index replica is current", registry=r
@@ -104,22 +101,37 @@ class GatewayMetrics:
     def watch_breakers(self, breakers: Callable[[], Iterable[tuple[str, bool]]]) -> None:
         """Export ``kvpool_gateway_breaker_open{instance}``: 1 while an instance's breaker is
         not closed, from ``breakers()`` (instance name, closed?) at each scrape."""
-        self.registry.register(_BreakerCollector(breakers))
+        self.registry.register(
+            _ScrapeGauge(
+                "kvpool_gateway_breaker_open",
+                "1 while the circuit breaker of an instance is open or half-open",
+                lambda: ((name, 0.0 if closed else 1.0) for name, closed in breakers()),
+            )
+        )
+
+    def watch_inflight(self, inflight: Callable[[], Iterable[tuple[str, float]]]) -> None:
+        """Export ``kvpool_gateway_inflight{instance}`` from the load tracker at each scrape
+        (requests sent upstream and not yet ended), nothing on the request path."""
+        self.registry.register(
+            _ScrapeGauge("kvpool_gateway_inflight", "Requests in flight upstream", inflight)
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _BreakerCollector(Collector):
-    def __init__(self, breakers: Callable[[], Iterable[tuple[str, bool]]]) -> None:
-        self._breakers = breakers
+class _ScrapeGauge(Collector):
+    """A per-instance gauge read from its source at scrape time."""
+
+    def __init__(
+        self, name: str, documentation: str, rows: Callable[[], Iterable[tuple[str, float]]]
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._rows = rows
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
-            "kvpool_gateway_breaker_open",
-            "1 while the circuit breaker of an instance is open or half-open",
-            labels=["instance"],
-        )
-        for name, closed in self._breakers():
-            family.add_metric([name], 0.0 if closed else 1.0)
+        family = GaugeMetricFamily(self._name, self._documentation, labels=["instance"])
+        for name, value in self._rows():
+            family.add_metric([name], value)
         yield family

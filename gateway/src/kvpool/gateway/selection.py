@@ -233,7 +233,6 @@ class Selector:
         now = self.clock()
         ticket = self.load.start(inst.name, queued, now)
         self.pending.record(inst.name, prompt.hashes, now, ticket)  # alive until answered + TTL
-        self.metrics.inflight.labels(inst.name).set(self.load.load(inst.name).inflight)
         return Attempt(inst, ticket, decision.reason, decision.predicted_hit_tokens)
 
     async def attempt(

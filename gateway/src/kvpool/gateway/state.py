@@ -141,6 +141,7 @@ def build_state(
     settings = PolicySettings(weights.prefix_hit, weights.load, guards)
     router = Router(make_policy(config.routing.policy, settings), guards)
     load = LoadTracker()
+    metrics.watch_inflight(lambda: ((i.name, float(load.load(i.name).inflight)) for i in instances))
     selector = Selector(
         instances,
         index,
