@@ -26,6 +26,7 @@ import dataclasses
 import importlib.metadata
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -360,7 +361,13 @@ async def main_async(args: argparse.Namespace) -> int:
             for sfx, shape in shapes.items()
         }
         log("transfer: raw NIXL, LMCache P2P and PD between processes (same bytes)")
-        xfer = transfer_bench.measure(tmp, tokens=8192, repeats=3 if args.quick else 7)
+        try:
+            xfer = transfer_bench.measure(tmp, tokens=8192, repeats=3 if args.quick else 7)
+        except Exception:  # keep every role's log for the post-mortem
+            logs = Path(args.out).parent / "worker-transfer-logs"
+            shutil.copytree(tmp / "transfer", logs, dirs_exist_ok=True)
+            log(f"transfer bench failed: role logs in {logs}")
+            raise
     summary = summarize(rows, bws, args.quick)
     for key in ("p2p_vs_raw_nixl", "pd_vs_raw_nixl"):
         summary["ratios"][key] = xfer[key]

@@ -129,9 +129,29 @@ def role_raw(d: Path, side: str, nbytes: int, repeats: int) -> None:
     (d / "raw.done").write_text("1")
 
 
+def _controller_sees(http: str, instance: str, tokens: list[int], timeout_s: float = 180) -> None:
+    """Wait until the controller's ``/lookup`` offers ``instance`` for all of ``tokens`` (its
+    admit events are batched and, on a loaded box, can take seconds to land)."""
+    import urllib.request
+
+    end = time.monotonic() + timeout_s
+    body = json.dumps({"tokens": tokens}).encode()
+    while time.monotonic() < end:
+        req = urllib.request.Request(
+            f"{http}/lookup", body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as reply:
+            layout = json.loads(reply.read()).get("layout_info", {})
+        if layout.get(instance, [None, 0])[1] >= len(tokens):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the controller never offered {instance} for the stored prompt")
+
+
 def role_p2p(d: Path, side: str, ctl: dict[str, str], ntok: int, repeats: int) -> None:
     from kvpool.worker.engine.offload.lmcache_offload import LMCacheOffload
 
+    http = ctl.pop("http")
     cfg: dict[str, Any] = {
         "local_cpu": True, "max_local_cpu_size": 0.5, "enable_controller": True,
         "lmcache_instance_id": f"bench-{side}", **ctl,
@@ -148,7 +168,7 @@ def role_p2p(d: Path, side: str, ctl: dict[str, str], ntok: int, repeats: int) -
         for p in prompts:
             off.store(p, kv, slots)
         off.flush()
-        time.sleep(1.0)  # admit events reach the controller (batched every 10 ms)
+        _controller_sees(http, f"bench-{side}", prompts[-1])  # and so every earlier prompt
         (d / "p2p.ready").write_text("1")
         _wait_file(d / "p2p.done", 600)
         (d / "p2p.a.phases.json").write_text(json.dumps(timing.medians(skip=1)))
@@ -295,6 +315,7 @@ def measure(tmp: Path, *, tokens: int, repeats: int) -> dict[str, Any]:
         "--port", str(ctl_ports["http"]),
         "--monitor-ports", json.dumps({"pull": ctl_ports["pull"], "reply": ctl_ports["reply"]}),
     ]  # fmt: skip
+    ctl_http = f"http://127.0.0.1:{ctl_ports['http']}"
     ctl = {
         "controller_pull_url": f"127.0.0.1:{ctl_ports['pull']}",
         "controller_reply_url": f"127.0.0.1:{ctl_ports['reply']}",
@@ -316,7 +337,7 @@ def measure(tmp: Path, *, tokens: int, repeats: int) -> dict[str, Any]:
         procs = {
             "raw-dst": _spawn(d, "raw-dst", "raw", str(d), "dst", str(nbytes), r),
             "raw-src": _spawn(d, "raw-src", "raw", str(d), "src", str(nbytes), r),
-            **pair("p2p", ("a", "b"), json.dumps(ctl)),
+            **pair("p2p", ("a", "b"), json.dumps({**ctl, "http": ctl_http})),
             **pair("pd", ("recv", "send"), json.dumps(pd_ports)),
         }
         try:
