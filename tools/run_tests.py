@@ -3,6 +3,8 @@
 Why a script: pytest must run with each component as its rootdir (one pytest over the repo
 root puts ``operator/`` on ``sys.path`` and shadows the stdlib ``operator``), and CI reads one
 "N passed, N failed" line. Exit status is non-zero if any component fails or collects no test.
+Every component's pytest loads ``tools/pytest_plugins/kvpool_stdlib_guard.py``: the one guard
+that ``import operator`` is the stdlib's, run inside each component's own test process.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ NO_TESTS_COLLECTED = 5
 #: Builds .kvpool/vllm-venv (idempotent; minutes the first time), where protocol's hash-parity
 #: oracles run lmcache next to the real vLLM.
 VLLM_VENV = ROOT / "protocol" / "tests" / "vllm_venv.py"
+#: Holds only the guard plugin, so putting it on PYTHONPATH makes nothing else importable.
+PLUGINS = ROOT / "tools" / "pytest_plugins"
+GUARD = "kvpool_stdlib_guard"
 
 
 def _build_vllm_venv() -> None:
@@ -55,6 +60,7 @@ def main(argv: list[str]) -> int:
     ]
     total = [0, 0, 0]
     bad: list[str] = []
+    path = os.pathsep.join(p for p in (str(PLUGINS), os.environ.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory() as tmp:
         for comp in components:
             junit = Path(tmp) / f"{comp}.xml"
@@ -63,10 +69,19 @@ def main(argv: list[str]) -> int:
             print(f"==> [{comp}] pytest", flush=True)
             t0 = time.monotonic()
             rc = subprocess.call(
-                [sys.executable, "-m", "pytest", f"--junitxml={junit}", "-p", "no:cacheprovider"],
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    f"--junitxml={junit}",
+                    "-p",
+                    "no:cacheprovider",
+                    "-p",
+                    GUARD,
+                ],
                 cwd=ROOT / comp,
                 # LMCache phones home unless told not to (DESIGN.md rule 9): never from tests.
-                env={**os.environ, "LMCACHE_TRACK_USAGE": "false"},
+                env={**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONPATH": path},
             )
             passed, failed, skipped = _counts(junit)
             for i, n in enumerate((passed, failed, skipped)):
