@@ -17,9 +17,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 from pydantic import ValidationError
-from starlette.datastructures import Headers
+from starlette.datastructures import URL, Headers
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvpool.gateway.deps import (
@@ -142,6 +142,11 @@ class CompletionRoutes:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = ENDPOINTS.get(scope["path"]) if scope["type"] == "http" else None
         if endpoint is None:
+            if scope["type"] == "http" and scope["path"].rstrip("/") in ENDPOINTS:
+                # as the app's router answers a trailing slash on a route it has
+                url = URL(scope=scope).replace(path=scope["path"].rstrip("/"))
+                await RedirectResponse(url, status_code=307)(scope, receive, send)
+                return
             await self.app(scope, receive, send)
             return
         if scope["method"] != "POST":
