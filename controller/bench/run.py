@@ -416,16 +416,19 @@ def main() -> None:
         )
         # equal offered load: half of what LMCache's controller sustained, for both
         rate = 0.5 * sat["lmcache"]["events_per_s"]
-        equal: dict[str, dict[str, float]] = {}
-        for kind in ("lmcache", "ours"):
+        # the same ABBA order; each side keeps its round with the lower p95 (the box's load
+        # only adds latency), every round is in the log
+        tries: dict[str, list[dict[str, float]]] = {"lmcache": [], "ours": []}
+        for kind in order:
             ctl = Controller(kind, logdir)
             try:
                 ctl.start()
                 log(f"equal load: {rate:,.0f} events/s + 200 lookups/s against {kind}'s controller")
-                equal[kind] = saturation.run_equal_load(ctl, gen, rate, 200.0, logdir)
+                tries[kind].append(saturation.run_equal_load(ctl, gen, rate, 200.0, logdir))
             finally:
                 ctl.kill()
-            log(f"  {equal[kind]}")
+            log(f"  {tries[kind][-1]}")
+        equal = {k: min(v, key=lambda r: r["p2p_lookup_p95_ms"]) for k, v in tries.items()}
         for key in ("p2p_lookup_p50_ms", "p2p_lookup_p95_ms", "p2p_lookup_p99_ms"):
             metrics[f"{key}_equal_load"] = equal["ours"][key]
             metrics[f"lmcache_{key}_equal_load"] = equal["lmcache"][key]
