@@ -4,8 +4,10 @@ Why per domain: a pool's objects depend on its members (the gateway's routing co
 every member's objects depend on the pool (seed, fingerprint, controller address), so any
 change anywhere in a domain is answered by one pass over the whole domain, in which every pod
 template changes together. A pass starts SETTLE_S after the first request for it, and requests
-that arrive meanwhile or while a pass runs are folded into one (more) pass, so a domain applied
-at once (a pool and its members) costs about one pass, not one per resource.
+that arrive meanwhile or while a pass runs are folded into one (more) pass, and the handler of
+a CR that a pass has already read as it is now joins that pass (``Passes``, the one place that
+decides who shares what), so a domain applied at once (a pool and its members) costs about one
+pass, not one per resource.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import datetime
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,47 +63,91 @@ class DomainSource(Protocol):
     def members(self, namespace: str, pool: str) -> list[Obj]: ...
 
 
-@dataclass
-class Coalescer:
-    """Run ``fn(key)`` at most once at a time per key; callers that arrive while a run waits
-    to start share it (a run waits ``settle`` seconds before it starts, to be shared by more),
-    callers that arrive while it runs get the next one."""
+def cr_key(body: Mapping[str, Any]) -> tuple[str, str]:
+    """(kind, name): a CR within its domain."""
+    return str(body.get("kind")), str((body.get("metadata") or {}).get("name"))
 
-    fn: Callable[[Key], Awaitable[Plan]]
-    settle: float = 0.0
-    _locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
-    _pending: dict[Key, asyncio.Future[Plan]] = field(default_factory=dict)
+
+@dataclass
+class Pass:
+    """One reconcile pass of a domain: its outcome (what every caller sharing it gets) and the
+    essence of each CR it read (empty until it has read them)."""
+
+    outcome: asyncio.Future[Plan]
+    read: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def saw(self, bodies: Iterable[Mapping[str, Any]]) -> None:
+        """Record the CRs the pass read (before it lists children: sharing starts there)."""
+        self.read = {cr_key(b): essence(b) for b in bodies}
+
+    def has_read(self, body: Mapping[str, Any]) -> bool:
+        """Whether the pass read ``body`` as it is now (kopf's bookkeeping patches aside)."""
+        uid = (body.get("metadata") or {}).get("uid")
+        return bool(uid) and self.read.get(cr_key(body)) == essence(body)
+
+
+class Passes:
+    """The one way reconcile passes are shared: per domain, one pass runs at a time, and a
+    caller joins a pass instead of starting one whenever that pass answers it.
+
+    A caller shares the pass that waits to start (it will read the CRs as they are then). A
+    caller that handles a CR also shares the latest pass that has read that CR as it is now,
+    running or finished (not one that failed). Any other caller starts a pass: it waits
+    ``settle`` seconds for more callers, then for the running pass of its domain to end.
+    """
+
+    def __init__(self, run: Callable[[Key, Pass], Awaitable[Plan]], settle: float = 0.0) -> None:
+        self.run = run
+        self.settle = settle
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._waiting: dict[Key, Pass] = {}
+        self._latest: dict[Key, Pass] = {}
 
     def lock(self, key: Key) -> asyncio.Lock:
-        """The lock a run of ``key`` holds (for work that must not interleave with one)."""
+        """The lock a pass of ``key`` holds (for work that must not interleave with one)."""
         return self._locks.setdefault(key, asyncio.Lock())
 
-    async def __call__(self, key: Key, settle: bool = True) -> Plan:
-        waiting = self._pending.get(key)
+    def forget(self, key: Key) -> None:
+        """Share no pass of ``key`` that has read its CRs already (its children are pruned)."""
+        self._latest.pop(key, None)
+
+    async def __call__(
+        self, key: Key, body: Mapping[str, Any] | None = None, *, settle: bool = True
+    ) -> Plan:
+        latest = self._latest.get(key)
+        if body is not None and latest is not None and latest.has_read(body):
+            with contextlib.suppress(Exception):  # that pass failed: join or start another
+                return await asyncio.shield(latest.outcome)
+        waiting = self._waiting.get(key)
         if waiting is not None:
-            return await asyncio.shield(waiting)
-        fut: asyncio.Future[Plan] = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._pending[key] = fut
+            return await asyncio.shield(waiting.outcome)
+        return await self._start(key, settle)
+
+    async def _start(self, key: Key, settle: bool) -> Plan:
+        outcome: asyncio.Future[Plan] = asyncio.get_running_loop().create_future()
+        outcome.add_done_callback(lambda f: f.cancelled() or f.exception())
+        this = self._waiting[key] = Pass(outcome)
         lock = self.lock(key)
         try:
             if settle and self.settle > 0:
                 await asyncio.sleep(self.settle)
             await lock.acquire()
         except BaseException:
-            if self._pending.get(key) is fut:
-                del self._pending[key]
-            fut.cancel()
+            if self._waiting.get(key) is this:
+                del self._waiting[key]
+            outcome.cancel()
             raise
         try:
-            if self._pending.get(key) is fut:
-                del self._pending[key]
+            if self._waiting.get(key) is this:
+                del self._waiting[key]
+            self._latest[key] = this
             try:
-                result = await self.fn(key)
+                result = await self.run(key, this)
             except BaseException as exc:
-                fut.set_exception(exc)
+                cancelled = RuntimeError("reconcile pass cancelled")
+                outcome.set_exception(exc if isinstance(exc, Exception) else cancelled)
                 raise
-            fut.set_result(result)
+            outcome.set_result(result)
             return result
         finally:
             lock.release()
@@ -124,46 +170,31 @@ class Reconciler:
         self.adopt = adopt
         self.metrics = metrics
         self.clock = clock
-        self.excluded: set[tuple[str, str, str]] = set()  # (ns, kind, name) being finalized
-        #: Per domain, the latest pass: the essence of each CR it read, and its outcome.
-        self._last: dict[Key, tuple[dict[tuple[str, str], str], asyncio.Future[Plan]]] = {}
         #: Domains whose children were pruned for good: the uid of the pool being deleted.
         self.pruned: dict[Key, str] = {}
-        self._run = Coalescer(self._reconcile, settle)
+        self._passes = Passes(self._reconcile, settle)
 
     async def reconcile(self, namespace: str, pool: str, *, settle: bool = True) -> Plan:
         """One (possibly shared) pass over the domain ``namespace/pool``; ``settle=False``
         starts it without waiting for more requests (the drift timer: nothing else comes)."""
-        return await self._run((namespace, pool), settle)
+        return await self._passes((namespace, pool), settle=settle)
 
     async def reconcile_resource(self, namespace: str, pool: str, body: Mapping[str, Any]) -> Plan:
         """A pass that has read the CR ``body`` as it is now: the domain's latest pass if it
         read the same essence of it (kopf's finalizer and bookkeeping patches aside), else a
         new one. A pool and members applied together are mostly all read by one pass, and
         their handlers share it."""
-        meta = body.get("metadata") or {}
-        last = self._last.get((namespace, pool))
-        if last is not None and meta.get("uid"):
-            seen, outcome = last
-            if seen.get((str(body.get("kind")), str(meta.get("name")))) == essence(body):
-                with contextlib.suppress(Exception):  # that pass failed: run one of our own
-                    return await asyncio.shield(outcome)
-        return await self.reconcile(namespace, pool)
+        return await self._passes((namespace, pool), body)
 
     def read(self, namespace: str, pool_name: str) -> tuple[Obj | None, list[Obj]]:
         """The domain's CRs as the indexes hold them now: the pool (None if absent, or being
-        deleted with its children pruned) and the members not being finalized."""
+        deleted with its children pruned) and its members."""
         pool = self.source.pool(namespace, pool_name)
         if pool is not None and self.pruned.get((namespace, pool_name)) == pool["metadata"].get(
             "uid"
         ):
             pool = None  # being deleted and its children pruned: nothing may come back
-        members = [
-            m
-            for m in self.source.members(namespace, pool_name)
-            if (namespace, m["kind"], m["metadata"]["name"]) not in self.excluded
-        ]
-        return pool, members
+        return pool, self.source.members(namespace, pool_name)
 
     async def observe(
         self, namespace: str, pool_name: str, pool: Obj | None, members: list[Obj]
@@ -180,34 +211,21 @@ class Reconciler:
         pods = lists[-1] if lists else []
         return Observed(namespace, pool_name, pool, members, children, pods)
 
-    async def _reconcile(self, key: Key) -> Plan:
+    async def _reconcile(self, key: Key, this: Pass) -> Plan:
         namespace, pool_name = key
         started = time.monotonic()
-        outcome: asyncio.Future[Plan] = asyncio.get_running_loop().create_future()
-        outcome.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             pool, members = self.read(namespace, pool_name)
             # Recorded before the listing: a handler whose CR this pass has read as it is now
             # shares the pass, also while the pass waits for the API server's lists.
-            self._last[key] = (
-                {
-                    (str(b["kind"]), str(b["metadata"]["name"])): essence(b)
-                    for b in [*([pool] if pool else []), *members]
-                },
-                outcome,
-            )
+            this.saw([*([pool] if pool else []), *members])
             observed = await self.observe(namespace, pool_name, pool, members)
             plan = plan_domain(observed, self.clock(), self.adopt)
             await self.apply(plan)
-        except BaseException as exc:
-            outcome.set_exception(
-                exc if isinstance(exc, Exception) else RuntimeError("reconcile pass cancelled")
-            )
-            if isinstance(exc, Exception):
-                self.metrics.reconciled("domain", "error", time.monotonic() - started)
-                self.metrics.failed("domain", "reconcile")
+        except Exception:
+            self.metrics.reconciled("domain", "error", time.monotonic() - started)
+            self.metrics.failed("domain", "reconcile")
             raise
-        outcome.set_result(plan)
         result = "invalid" if plan.invalid else "ok"
         self.metrics.reconciled("domain", result, time.monotonic() - started)
         log.info(
@@ -230,9 +248,9 @@ class Reconciler:
         key = (namespace, pool_name)
         if uid:
             self.pruned[key] = uid
-        self._last.pop(key, None)
+        self._passes.forget(key)
         selector = domain_selector(pool_name)
-        async with self._run.lock(key):
+        async with self._passes.lock(key):
             for kind in kube.CHILD_KINDS:
                 for obj in await self.client.list(kind, namespace, selector):
                     await self.client.delete(kind, namespace, obj["metadata"]["name"])
