@@ -91,3 +91,26 @@ async def test_ops_router_alone(server: ControllerServer) -> None:
         assert (await c.get("/healthz")).json() == {"status": "ok"}
         r = await c.get("/readyz")
         assert r.status_code == 503 and r.json()["ready"] is False
+
+
+async def test_stats_names_registered_instances_tiers_and_refusals() -> None:
+    settings = ControllerSettings(
+        host="127.0.0.1", monitor_ports={"pull": 0}, fingerprint="0123456789ab"
+    )
+    server = ControllerServer(settings)
+    svc = server.service
+    svc.register("a~0123456789ab", 0, "10.0.0.1", 7000, None)
+    svc.register("a~0123456789ab", 1, "10.0.0.1", 7001, None)
+    assert svc.register("b~ffffffffffff", 0, "10.0.0.2", 7000, None) is not None
+    svc.index.admit("a~0123456789ab", 0, "LocalCPUBackend", [11, 12])
+    svc.index.admit("a~0123456789ab", 1, "LocalCPUBackend", [11, 12])
+    svc.index.admit("a~0123456789ab", 0, "LocalDiskBackend", [13])
+    async with _client(server, routes_kvpool.router) as c:
+        body = (await c.get("/v1/stats")).json()
+    assert body["instances"] == {"a~0123456789ab": 2}
+    assert body["chunks"] == 3
+    assert body["chunk_locations"] == {"LocalCPUBackend": 4, "LocalDiskBackend": 1}
+    assert body["refusals"] == {"fingerprint": 1}
+    assert list(body["refused"]) == ["b~ffffffffffff"]
+    assert "0123456789ab" in body["refused"]["b~ffffffffffff"]
+    await server.close()

@@ -54,3 +54,15 @@ def test_prefix_lookup_reply_reads_back_as_the_gateway_reads_it() -> None:
         ("b~fp", 0, {}),
     ]
     assert list(h.prefix_lookup_hits({})) == []
+
+
+def test_stats_reply_keeps_the_latest_refused_ids_and_sorts_the_rest() -> None:
+    refused = {f"x-{i}~bad": "fingerprint mismatch" for i in range(h.STATS_REFUSED_MAX + 3)}
+    reply = h.stats_reply(
+        {"b~f": 1, "a~f": 2}, 7, {"LocalCPUBackend": 9}, {"fingerprint": 30}, refused
+    )
+    assert list(reply["instances"]) == ["a~f", "b~f"]
+    assert (reply["chunks"], reply["chunk_locations"]) == (7, {"LocalCPUBackend": 9})
+    assert reply["refusals"] == {"fingerprint": 30}
+    assert len(reply["refused"]) == h.STATS_REFUSED_MAX
+    assert list(reply["refused"])[-1] == f"x-{h.STATS_REFUSED_MAX + 2}~bad"

@@ -1,8 +1,9 @@
-"""kvpool's own HTTP routes: the gateway's prefix lookup and the operator's deregistration.
+"""kvpool's own HTTP routes: the gateway's prefix lookup, the operator's deregistration and
+the figures it shows in the pool's status.
 
 Why a router of its own: these are kvpool's API (LMCache has no such endpoints), used by the
-gateway on routing and by the operator's finalizer; mounted alone on a bare app they are tested
-without the rest of the API.
+gateway on routing and by the operator (its finalizer, its live status figures); mounted alone
+on a bare app they are tested without the rest of the API.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, model_validator
 
 from kvpool.controller.routes_lmcache import server_of
-from kvpool.protocol.http_api import PREFIX_LOOKUP_ONE_OF, PREFIX_LOOKUP_PATH, prefix_lookup_reply
+from kvpool.protocol.http_api import (
+    PREFIX_LOOKUP_ONE_OF,
+    PREFIX_LOOKUP_PATH,
+    STATS_PATH,
+    prefix_lookup_reply,
+    stats_reply,
+)
 
 
 class DeregisterRequest(BaseModel):
@@ -56,3 +63,14 @@ async def deregister(request: Request, req: DeregisterRequest) -> dict[str, Any]
     workers = svc.registry.worker_ids(req.instance_id)
     done = [w for w in workers if svc.deregister(req.instance_id, w, "deleted (operator)")]
     return {"instance_id": req.instance_id, "deregistered": len(done)}
+
+
+@router.get(STATS_PATH)
+async def stats(request: Request) -> dict[str, Any]:
+    """Read-only: registered workers per instance, index sizes per location and refused
+    registrations (the operator's live figures; the same numbers as /metrics, by instance)."""
+    svc = server_of(request).service
+    m = svc.metrics
+    workers = {iid: len(svc.registry.worker_ids(iid)) for iid in svc.registry.instances()}
+    chunks = svc.index.stats()["chunks"]
+    return stats_reply(workers, chunks, m.location_counts(), dict(m.refusals), svc.refused)

@@ -75,6 +75,11 @@ class ControllerService:
             if k.startswith("location:")
         }
 
+    @property
+    def refused(self) -> dict[str, str]:
+        """Refused instance ids and why, in the order they were first refused (read-only)."""
+        return dict(self._refused)
+
     def bad(self, kind: str, detail: str) -> None:
         """Count one piece of bad input; log the first of each kind (the rest only count)."""
         self.metrics.bad_input[kind] += 1

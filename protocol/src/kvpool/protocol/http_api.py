@@ -1,7 +1,7 @@
 """The HTTP strings and shapes the gateway, the workers, the controller and the operator's local
 runner agree on: kvpool's request and response headers, session ids and their bound, OpenAI's
-error body and how a validation failure reads in it, and the controller's
-``/v1/prefix_lookup`` request and reply.
+error body and how a validation failure reads in it, the controller's ``/v1/prefix_lookup``
+request and reply, and its ``/v1/stats`` reply (the operator's live status figures).
 
 Why this module exists: each of these was typed in two to four components. A header spelled
 one way by the gateway and another by the worker, or a session id cut at a different length
@@ -132,3 +132,33 @@ def prefix_lookup_hits(reply: Mapping[str, Any]) -> Iterator[tuple[str, int, dic
             int(entry.get("hit_chunks", 0)),
             {str(k): int(v) for k, v in per_location.items()},
         )
+
+
+# ---------------------------------------------------------------- the controller's figures
+
+#: The controller's route for what it knows of its domain now (read by the operator for the
+#: live figures in KVCachePool status).
+STATS_PATH: Final = "/v1/stats"
+#: At most this many refused instance ids in a stats reply (the latest first refused).
+STATS_REFUSED_MAX: Final = 20
+
+
+def stats_reply(
+    workers: Mapping[str, int],
+    chunks: int,
+    chunk_locations: Mapping[str, int],
+    refusals: Mapping[str, int],
+    refused: Mapping[str, str],
+) -> dict[str, Any]:
+    """The reply: registered workers (TP ranks) per instance id, distinct chunks indexed,
+    (chunk, worker) entries per LMCache location, registrations refused by reason (counts
+    since the controller started) and the refused instance ids with their reason (the last
+    :data:`STATS_REFUSED_MAX` first refused)."""
+    last = list(refused.items())[-STATS_REFUSED_MAX:]
+    return {
+        "instances": dict(sorted(workers.items())),
+        "chunks": chunks,
+        "chunk_locations": dict(sorted(chunk_locations.items())),
+        "refusals": dict(sorted(refusals.items())),
+        "refused": dict(last),
+    }
