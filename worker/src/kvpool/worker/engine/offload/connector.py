@@ -27,6 +27,7 @@ import torch
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryObj
 
+from kvpool.kernels import hostcopy
 from kvpool.kernels.layouts import PagedLayout, chunks_to_paged, paged_to_chunks
 from kvpool.worker.engine.offload import guard
 
@@ -64,6 +65,7 @@ class CPUPagedConnector(GPUConnectorInterface):  # type: ignore[misc]
         self.dtype = dtype
         self.layout: PagedLayout = layout
         self.row_width = guard.stored_row_width(self.hidden, dtype)
+        hostcopy.warm_up()  # the first retrieve must not wait for numba
 
     def check_caches(
         self, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, block_size: int
