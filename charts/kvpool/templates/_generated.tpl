@@ -150,6 +150,7 @@
     operations:
     - CREATE
     - UPDATE
+    - DELETE
     resources:
     - kvcachepools
     scope: Namespaced

@@ -9,6 +9,8 @@ mounts the issued Secret (tls.crt, tls.key, ca.crt) into the cert dir and inject
 from __future__ import annotations
 
 import datetime
+import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,14 +43,21 @@ def _name(common: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
 
 
-def generate(directory: Path, dns_names: list[str], days: int = 3650) -> CertFiles:
-    """Write a fresh CA and a serving certificate for ``dns_names`` into ``directory``."""
+def generate(
+    directory: Path,
+    dns_names: list[str],
+    days: int = 3650,
+    ip_addresses: Sequence[str] = (),
+    ca_name: str = "kvpool-operator-ca",
+) -> CertFiles:
+    """Write a fresh CA and a serving certificate for ``dns_names`` (and ``ip_addresses``:
+    ``kvpool-operator cluster``'s API server on 127.0.0.1) into ``directory``."""
     now = datetime.datetime.now(tz=datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
         x509.CertificateBuilder()
-        .subject_name(_name("kvpool-operator-ca"))
-        .issuer_name(_name("kvpool-operator-ca"))
+        .subject_name(_name(ca_name))
+        .issuer_name(_name(ca_name))
         .public_key(ca_key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -66,7 +75,11 @@ def generate(directory: Path, dns_names: list[str], days: int = 3650) -> CertFil
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]), critical=False
+            x509.SubjectAlternativeName(
+                [x509.DNSName(n) for n in dns_names]
+                + [x509.IPAddress(ipaddress.ip_address(a)) for a in ip_addresses]
+            ),
+            critical=False,
         )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())

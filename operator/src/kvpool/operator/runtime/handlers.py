@@ -261,10 +261,9 @@ def register(
         if not verdict.allowed:
             raise kopf.AdmissionError(verdict.message(), code=422)
 
-    operations: dict[str, list[Literal["CREATE", "UPDATE", "DELETE"]]] = {
-        "KVCachePool": ["CREATE", "UPDATE", "DELETE"],
-        "P2PGroup": ["CREATE", "UPDATE"],
-        "PDPair": ["CREATE", "UPDATE"],
+    operations = {
+        kind: [cast(Literal["CREATE", "UPDATE", "DELETE"], op) for op in ops]
+        for kind, ops in permissions.WEBHOOK_OPERATIONS.items()
     }
     if rt.settings.webhook_mode == "none":
         return

@@ -31,14 +31,16 @@ class Kind:
 
     api_version: str
     plural: str
+    namespaced: bool = True
 
     @property
     def group(self) -> str:
         return self.api_version.rpartition("/")[0]
 
-    def path(self, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    def path(self, namespace: str | None, name: str | None = None, sub: str | None = None) -> str:
         root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
-        out = f"{root}/namespaces/{namespace}/{self.plural}"
+        scope = f"/namespaces/{namespace}" if self.namespaced else ""
+        out = f"{root}{scope}/{self.plural}"
         if name is not None:
             out += f"/{name}"
         if sub is not None:
@@ -58,6 +60,9 @@ KINDS: dict[str, Kind] = {
     "StatefulSet": Kind("apps/v1", "statefulsets"),
     "PodDisruptionBudget": Kind("policy/v1", "poddisruptionbudgets"),
     "NetworkPolicy": Kind("networking.k8s.io/v1", "networkpolicies"),
+    "ValidatingWebhookConfiguration": Kind(
+        "admissionregistration.k8s.io/v1", "validatingwebhookconfigurations", namespaced=False
+    ),
 }
 
 #: Sent with every request, so audit logs (and the RBAC test) can tell the operator's calls.
@@ -84,21 +89,13 @@ class ApiError(Exception):
         self.message = message
 
 
-def _ssl_context(creds: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
-    if not creds.server.startswith("https"):
+def ssl_context(creds: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
+    """TLS for the API server as kopf's own client builds it: the CA from a file or a
+    kubeconfig's base64 ``certificate-authority-data``, client certificates from files or data
+    (kopf decodes them; a hand-made ``cadata`` of base64 text was "no start line")."""
+    if not creds.server.startswith("https") or creds.insecure:
         return False
-    if creds.insecure:
-        return False
-    ca_data = creds.ca_data.decode() if isinstance(creds.ca_data, bytes) else creds.ca_data
-    ctx = ssl.create_default_context(cafile=creds.ca_path, cadata=ca_data)
-    if creds.certificate_path and creds.private_key_path:
-        ctx.load_cert_chain(creds.certificate_path, creds.private_key_path)
-    elif creds.certificate_data and creds.private_key_data:
-        raise ValueError(
-            "inline client certificates in the kubeconfig are not supported: use a token, "
-            "or client-certificate/client-key files"
-        )
-    return ctx
+    return creds.as_ssl_context()
 
 
 class KubeClient:
@@ -128,7 +125,7 @@ class KubeClient:
                 base_url=self._creds.server.rstrip("/"),
                 headers=headers,
                 timeout=self._timeout,
-                connector=aiohttp.TCPConnector(ssl=_ssl_context(self._creds), limit=32),
+                connector=aiohttp.TCPConnector(ssl=ssl_context(self._creds), limit=32),
             )
         return self._session
 
@@ -211,6 +208,27 @@ class KubeClient:
             sub=sub,
             params={"fieldManager": self.field_manager},
             body=patch,
+            content_type="application/merge-patch+json",
+        )
+
+    async def put_cluster_object(self, obj: Obj) -> Obj:
+        """Create a cluster-scoped object, or merge-patch it to ``obj`` when it exists."""
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        params = {"fieldManager": self.field_manager}
+        try:
+            return await self._call(
+                "POST", kind, "create", KINDS[kind].path(None), params=params, body=obj
+            )
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+        return await self._call(
+            "PATCH",
+            kind,
+            "patch",
+            KINDS[kind].path(None, name),
+            params=params,
+            body=obj,
             content_type="application/merge-patch+json",
         )
 

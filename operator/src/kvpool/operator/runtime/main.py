@@ -8,6 +8,7 @@ settings, same handlers — only with a different login.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -16,17 +17,31 @@ from pathlib import Path
 import aiohttp.web
 import kopf
 
-from kvpool.operator.runtime import certs, handlers, metrics, permissions
+from kvpool.operator.runtime import certs, handlers, kube, metrics, permissions
 from kvpool.operator.runtime.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
 
 
 class ServiceWebhookServer:
-    """kopf's HTTPS webhook server, announced to the API server as a Service (in-cluster)."""
+    """kopf's HTTPS webhook server, announced to the API server as a Service (in-cluster).
 
-    def __init__(self, settings: OperatorSettings, files: certs.CertFiles) -> None:
+    In self-signed mode (``client`` given) the operator writes the ValidatingWebhookConfiguration
+    itself once the server listens (``permissions.webhook_configuration``: the chart's webhooks,
+    its CA) and empties it when it stops, so kvpool resources stay writable without it. kopf's
+    managed mode is not used: it also creates a MutatingWebhookConfiguration (for no handler),
+    which the chart's least-privilege RBAC refuses, and a refusal there stops kopf (the operator
+    restarted in a loop under the chart's own RBAC, seen with kvpool-operator cluster).
+    """
+
+    def __init__(
+        self,
+        settings: OperatorSettings,
+        files: certs.CertFiles,
+        client: kube.KubeClient | None = None,
+    ) -> None:
         self.settings = settings
+        self.client = client
         self.inner = kopf.WebhookServer(
             addr=settings.webhook_host,
             port=settings.webhook_port,
@@ -36,21 +51,52 @@ class ServiceWebhookServer:
         )
 
     async def __call__(self, fn: kopf.WebhookFn) -> AsyncIterator[kopf.WebhookClientConfig]:
-        async for config in self.inner(fn):
-            out: kopf.WebhookClientConfig = {
-                "service": {
-                    "name": self.settings.webhook_service,
-                    "namespace": self.settings.webhook_namespace,
-                    "port": self.settings.webhook_service_port,
-                },
-            }
-            if config.get("caBundle"):
-                out["caBundle"] = config["caBundle"]
-            yield out
+        ca: str | None = None
+        try:
+            async for config in self.inner(fn):
+                out: kopf.WebhookClientConfig = {
+                    "service": {
+                        "name": self.settings.webhook_service,
+                        "namespace": self.settings.webhook_namespace,
+                        "port": self.settings.webhook_service_port,
+                    },
+                }
+                if config.get("caBundle"):
+                    out["caBundle"] = config["caBundle"]
+                    ca = str(config["caBundle"])
+                    await self.configure(ca, enabled=True)
+                yield out
+        finally:
+            if ca is not None and self.client is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.configure(ca, enabled=False, attempts=1), 5.0)
+
+    async def configure(self, ca: str, *, enabled: bool, attempts: int = 30) -> None:
+        """Write the webhook configuration (self-signed mode), retrying until the operator's
+        client has logged in and the API server accepts it."""
+        if self.client is None:
+            return
+        s = self.settings
+        body = permissions.webhook_configuration(
+            s.webhook_service, s.webhook_namespace, s.webhook_service_port, ca, enabled=enabled
+        )
+        for attempt in range(attempts):
+            try:
+                await self.client.put_cluster_object(body)
+                log.info("webhook configuration %s written", permissions.WEBHOOK_CONFIGURATION)
+                return
+            except RuntimeError:  # kopf has not logged in yet
+                await asyncio.sleep(0.5)
+            except (kube.ApiError, aiohttp.ClientError, TimeoutError) as exc:
+                log.warning("could not write the webhook configuration (%s); retrying", exc)
+                await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
 
 
-def kopf_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
-    """kopf's settings derived from ours (finalizer and storage names, webhook)."""
+def kopf_settings(
+    settings: OperatorSettings, client: kube.KubeClient | None = None
+) -> kopf.OperatorSettings:
+    """kopf's settings derived from ours (finalizer and storage names, webhook; ``client``
+    writes the self-signed webhook configuration)."""
     ks = kopf.OperatorSettings()
     ks.persistence.finalizer = "kvpool.io/finalizer"
     ks.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvpool.io")
@@ -63,10 +109,9 @@ def kopf_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
         if settings.webhook_mode == "self-signed":
             dns = certs.service_dns_names(settings.webhook_service, settings.webhook_namespace)
             files = certs.generate(cert_dir, dns)
-            ks.admission.managed = permissions.WEBHOOK_CONFIGURATION
+            ks.admission.server = ServiceWebhookServer(settings, files, client)
         else:
-            files = certs.load(cert_dir)
-        ks.admission.server = ServiceWebhookServer(settings, files)
+            ks.admission.server = ServiceWebhookServer(settings, certs.load(cert_dir))
     return ks
 
 
@@ -101,7 +146,7 @@ async def operate(
     rt = runtime or handlers.Runtime.build(settings)
     registry = kopf.OperatorRegistry()
     handlers.register(registry, rt, login=login)
-    ks = kopf_settings(settings)
+    ks = kopf_settings(settings, rt.client)
     if kopf_overrides is not None:
         kopf_overrides(ks)
     runners = await serve_probes(rt)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvpool.operator.api.common import GROUP
+from kvpool.operator.api.common import GROUP, VERSION
 
 Scope = Literal["namespaced", "cluster"]
 
@@ -32,6 +32,13 @@ WEBHOOK_PATHS = {
     "P2PGroup": "/validate-p2pgroup",
     "PDPair": "/validate-pdpair",
 }
+#: The operations each kind's webhook reviews: a pool's DELETE is refused while members remain.
+WEBHOOK_OPERATIONS: dict[str, tuple[str, ...]] = {
+    "KVCachePool": ("CREATE", "UPDATE", "DELETE"),
+    "P2PGroup": ("CREATE", "UPDATE"),
+    "PDPair": ("CREATE", "UPDATE"),
+}
+_WEBHOOK_PLURALS = {"KVCachePool": "kvcachepools", "P2PGroup": "p2pgroups", "PDPair": "pdpairs"}
 COMMAND = ["kvpool-operator", "run"]
 #: Default arguments of the chart's container (values override the ports and the cert mode).
 DEFAULT_ARGS = [
@@ -111,6 +118,61 @@ def require(group: str, resource: str, verb: str) -> None:
         raise NotPermittedError(
             f"{verb} {group or 'core'}/{resource} is not in kvpool.operator.runtime.permissions"
         )
+
+
+def webhooks() -> list[dict[str, object]]:
+    """One webhook per kind: name, path and the rule it matches (the chart's cert-manager
+    template and the operator's self-signed configuration both use this)."""
+    return [
+        {
+            "name": f"{kind.lower()}.validate.{GROUP}",
+            "path": WEBHOOK_PATHS[kind],
+            "rules": [
+                {
+                    "apiGroups": [GROUP],
+                    "apiVersions": [VERSION],
+                    "operations": list(WEBHOOK_OPERATIONS[kind]),
+                    "resources": [_WEBHOOK_PLURALS[kind]],
+                    "scope": "Namespaced",
+                }
+            ],
+        }
+        for kind in sorted(WEBHOOK_PATHS)
+    ]
+
+
+def webhook_configuration(
+    service: str, namespace: str, port: int, ca_bundle: str, *, enabled: bool = True
+) -> dict[str, object]:
+    """The ValidatingWebhookConfiguration the operator writes in self-signed mode: the chart's
+    webhooks (``webhooks()``) at its Service with its CA; ``enabled=False``: no webhooks (what
+    it leaves behind when it stops, so kvpool resources stay writable without it)."""
+    hooks = [
+        {
+            "name": hook["name"],
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "failurePolicy": "Fail",
+            "timeoutSeconds": 10,
+            "clientConfig": {
+                "service": {
+                    "name": service,
+                    "namespace": namespace,
+                    "path": hook["path"],
+                    "port": port,
+                },
+                "caBundle": ca_bundle,
+            },
+            "rules": hook["rules"],
+        }
+        for hook in webhooks()
+    ]
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": WEBHOOK_CONFIGURATION},
+        "webhooks": hooks if enabled else [],
+    }
 
 
 def rbac_rules(scope: Scope, *, webhook_self_signed: bool = True) -> list[dict[str, object]]:
