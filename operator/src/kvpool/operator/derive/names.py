@@ -9,6 +9,11 @@ from __future__ import annotations
 from kvpool.operator.api.members import P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
 
+#: Who manages an object (the Kubernetes recommended label), and the value kvpool's carry: what
+#: the operator lists, prunes and watches, and the chart's ServiceMonitors select.
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGER = "kvpool-operator"
+MANAGED_BY = {LABEL_MANAGED_BY: MANAGER}
 LABEL_POOL = "kvpool.io/pool"
 LABEL_COMPONENT = "kvpool.io/component"
 LABEL_MEMBER = "kvpool.io/member"
@@ -78,7 +83,7 @@ def pool_labels(pool: KVCachePool, component: str) -> dict[str, str]:
     """Labels every object of the pool carries."""
     return {
         "app.kubernetes.io/name": "kvpool",
-        "app.kubernetes.io/managed-by": "kvpool-operator",
+        **MANAGED_BY,
         LABEL_POOL: pool.metadata.name,
         LABEL_COMPONENT: component,
     }

@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from kvpool.operator.api.pool import KVCachePool
+from kvpool.operator.derive.names import LABEL_COMPONENT, LABEL_POOL
 
 LOOPBACK = "127.0.0.1"
 BIND_ANY = "0.0.0.0"
@@ -138,7 +139,7 @@ def workload_of(
         readiness = (str(probe.get("path", "/")), int(ports.get(str(port), port)))
     return Workload(
         name=name,
-        component=labels.get("kvpool.io/component", "?"),
+        component=labels.get(LABEL_COMPONENT, "?"),
         argv=[str(a) for a in container["command"] + container.get("args", [])],
         env=env,
         field_env=field_env,
@@ -529,7 +530,7 @@ def sim_hosts(rendered: Mapping[str, Workload], names: Sequence[str]) -> dict[st
     for name in names:
         w = rendered[name]
         if w.component == "worker" and w.simulated:
-            pool = w.labels.get("kvpool.io/pool", "domain")
+            pool = w.labels.get(LABEL_POOL, "domain")
             out.setdefault(f"{pool}-sim-host", []).append(name)
     return out
 

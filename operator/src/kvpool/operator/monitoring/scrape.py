@@ -36,11 +36,10 @@ from kvpool.operator.derive.names import (
     LABEL_MEMBER,
     LABEL_POOL,
     LABEL_ROLE,
+    MANAGED_BY,
 )
 
 Obj = dict[str, Any]
-MANAGED_BY = "app.kubernetes.io/managed-by"
-OPERATOR = "kvpool-operator"
 META = "__meta_kubernetes_"
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -111,7 +110,7 @@ class ScrapeJob:
 
     @property
     def selector(self) -> Obj:
-        labels = {MANAGED_BY: OPERATOR, LABEL_COMPONENT: self.component, **self.match_labels}
+        labels = {**MANAGED_BY, LABEL_COMPONENT: self.component, **self.match_labels}
         out: Obj = {"matchLabels": labels}
         if self.require:
             out["matchExpressions"] = [{"key": k, "operator": "Exists"} for k in self.require]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.operator.api import kinds
 from kvpool.operator.api.members import P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.loader import LoadError
@@ -39,8 +40,7 @@ class Verdict:
 
 
 def _parse(body: Obj) -> KVCachePool | Member | LoadError:
-    seed = (body.get("status") or {}).get("resolvedHashSeed")
-    return parse_body(body, str(seed) if seed else None)
+    return parse_body(body, kinds.stored_seed(body))
 
 
 def _load_problem(err: LoadError) -> Problem:

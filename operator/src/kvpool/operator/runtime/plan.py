@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvpool.operator import status as status_code
+from kvpool.operator.api import kinds
 from kvpool.operator.api.common import Condition
 from kvpool.operator.api.members import MemberStatus, P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool, KVCachePoolStatus
@@ -35,12 +36,10 @@ Member = P2PGroup | PDPair
 #: (called once per owner with all of its children: building the reference is the costly part).
 Adopt = Callable[[list[Obj], Obj], None]
 
-MANAGED_BY = {"app.kubernetes.io/managed-by": "kvpool-operator"}
-
 
 def domain_selector(pool_name: str) -> dict[str, str]:
     """Labels every child of one domain carries (what the reconcile lists and prunes)."""
-    return {**MANAGED_BY, names.LABEL_POOL: pool_name}
+    return {**names.MANAGED_BY, names.LABEL_POOL: pool_name}
 
 
 @dataclass
@@ -85,8 +84,8 @@ def ref(body: Obj) -> str:
 def parse_body(body: Obj, seed: str | None) -> KVCachePool | Member | LoadError:
     """A CR as the cluster holds it, into its model (status dropped but for the kept seed)."""
     doc: Obj = {k: body[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in body}
-    if body.get("kind") == "KVCachePool" and seed:
-        doc["status"] = {"resolvedHashSeed": seed}
+    if body.get("kind") == kinds.POOL.kind and seed:
+        doc["status"] = kinds.seed_status(seed)
     name = (body.get("metadata") or {}).get("name", "?")
     return parse_document(doc, f"{body.get('kind')}/{name}")
 
@@ -100,9 +99,9 @@ def _parse(body: Obj, seed: str | None) -> KVCachePool | Member | Problem:
 
 def stored_seed(pool: Obj, children: list[Obj]) -> str | None:
     """The seed already in use: status first, then the domain ConfigMap (status can be lost)."""
-    from_status = (pool.get("status") or {}).get("resolvedHashSeed")
+    from_status = kinds.stored_seed(pool)
     if from_status:
-        return str(from_status)
+        return from_status
     for child in children:
         if (
             child.get("kind") == "ConfigMap"
@@ -379,8 +378,7 @@ class Deregistration:
 
 def deregistration(pool_body: Obj, member_body: Obj) -> Deregistration | None:
     """The controller Service and the LMCache instance ids of a member being deleted."""
-    seed = (pool_body.get("status") or {}).get("resolvedHashSeed")
-    pool = _parse(pool_body, str(seed) if seed else None)
+    pool = _parse(pool_body, kinds.stored_seed(pool_body))
     member = _parse(member_body, None)
     if not isinstance(pool, KVCachePool) or not isinstance(member, P2PGroup | PDPair):
         return None
