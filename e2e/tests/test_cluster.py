@@ -3,9 +3,10 @@
 
 Why: users meet kvpool through Helm and kubectl. Here the real kubectl binary (1.32) and Helm's
 own install action (helm-python-sdk: Helm v4's Go SDK) drive the local control plane, and the
-real operator (the chart's Deployment: ``kvpool-operator run`` under its service account, its
-self-signed webhook) reconciles a simulated domain (tests/sim-small.yaml: examples/sim-fleet.yaml
-with 4 instances, the product's simulated engine) into processes the cluster's kubelet runs:
+real operator (the chart's Deployment: ``kvpool-operator run`` under its service account's
+token, RBAC enforcing the chart's ClusterRole, its self-signed webhook) reconciles a simulated
+domain (tests/sim-small.yaml: examples/sim-fleet.yaml with 4 instances, the product's simulated
+engine) into processes the cluster's kubelet runs:
 
 - ``kubectl apply`` with client-side validation (a typo'd field is refused by kubectl itself),
   ``kubectl wait --for=condition=Ready``, ``kubectl get`` with the CRDs' printer columns,
@@ -120,6 +121,22 @@ def _instance_ids(cluster: Cluster) -> dict[str, str]:
     return out
 
 
+def _gone(cluster: Cluster, kind: str, name: str) -> None:
+    """Wait until the object is deleted (its finalizer handled); say why not, if not."""
+    try:
+        poll(
+            f"{kind}/{name} deleted",
+            lambda: "NotFound" in cluster.kubectl("get", kind, name, check=False),
+            READY_S,
+        )
+    except AssertionError as exc:
+        left = cluster.kubectl("get", kind, name, "-o", "yaml", check=False)
+        logs = cluster.kubectl(
+            "logs", "-n", "kvpool-system", "deployment/kvpool-operator", check=False
+        )
+        raise AssertionError(f"{exc}\n{left}\noperator log:\n{logs[-4000:]}") from None
+
+
 def _registration(controller: str, instance_id: str) -> float:
     resp = httpx.post(
         f"{controller}/query_worker_info", json={"instance_id": instance_id}, timeout=10
@@ -159,7 +176,7 @@ def test_helm_installs_the_chart_and_the_operator_runs_as_the_chart_describes(
     assert pod["spec"]["containers"][0]["command"] == ["kvpool-operator", "run"]
     webhook = cluster.json("get", "validatingwebhookconfiguration", "kvpool.io")
     names = {w["name"] for w in webhook["webhooks"]}
-    assert "validate-kvcachepool.kvpool.io" in names
+    assert "kvcachepool.validate.kvpool.io" in names
     assert all(w["clientConfig"]["caBundle"] for w in webhook["webhooks"])
     assert all(
         w["clientConfig"]["service"]["name"] == "kvpool-operator-webhook"
@@ -168,6 +185,16 @@ def test_helm_installs_the_chart_and_the_operator_runs_as_the_chart_describes(
     assert "Activity 'register.<locals>.login_handler' succeeded" in cluster.kubectl(
         "logs", "-n", "kvpool-system", pod["metadata"]["name"]
     )
+    # The pod's API credentials are its service account's: RBAC grants what the chart's
+    # ClusterRole says (the operator's lists), refuses the rest (Secrets).
+    account = cluster.proc.state_dir / "pods" / "kvpool-system" / pod["metadata"]["name"]
+    as_operator = ["--kubeconfig", str(account / "serviceaccount" / "kubeconfig")]
+    assert "No resources found" in cluster.kubectl("get", "kvcachepools", "-A", *as_operator)
+    denied = cluster.kubectl("get", "secrets", "-n", "kvpool-system", *as_operator, check=False)
+    assert (
+        'User "system:serviceaccount:kvpool-system:kvpool-operator" cannot list resource '
+        '"secrets"' in denied
+    ), denied
 
 
 def test_apply_with_client_side_validation_wait_get_and_explain(cluster: Cluster) -> None:
@@ -252,12 +279,13 @@ def test_a_domain_the_schemas_accept_is_refused_by_the_webhook_with_the_fix(
     bad = ROOT / "examples" / "invalid" / "cpu-mistakes.yaml"
     out = cluster.kubectl("apply", "-f", str(bad), check=False)
     assert "kvcachepool.kvpool.io/cpu-mistakes created" in out
-    assert 'admission webhook "validate-p2pgroup.kvpool.io" denied the request' in out
+    assert 'admission webhook "p2pgroup.validate.kvpool.io" denied the request' in out
     assert "2 KV heads do not split evenly over 3 TP ranks" in out
     assert "fix: set tensorParallelSize: 2" in out
     assert "[rule 4]" in out and "fix: remove tiers.disk from this pool" in out
     assert "cpu-mistakes-p2p" not in cluster.kubectl("get", "p2pgroups")
-    cluster.kubectl("delete", "kvcachepool", "cpu-mistakes")
+    cluster.kubectl("delete", "kvcachepool", "cpu-mistakes", "--wait=false")
+    _gone(cluster, "kvcachepool", "cpu-mistakes")
 
 
 def test_scale_a_deleted_pod_recreated_and_a_spec_change_rolling_the_domain(
@@ -347,13 +375,16 @@ def test_a_pool_with_members_is_kept_then_members_and_pool_go_with_their_process
     }
     assert len(pids) == 5
     refused = cluster.kubectl("delete", "kvcachepool", "simsmall", check=False)
-    assert 'admission webhook "validate-kvcachepool.kvpool.io" denied the request' in refused
+    assert 'admission webhook "kvcachepool.validate.kvpool.io" denied the request' in refused
     assert "the pool still has members (P2PGroup/simsmall-sim)" in refused
     assert "fix: delete the members first" in refused
     cluster.kubectl("delete", "p2pgroup", "simsmall-sim", "--timeout=120s", timeout=130)
     log = cluster.log()
     assert "/v1/deregister" in log and "simsmall-controller.default.svc:9000" in log, log[-2000:]
     cluster.kubectl("delete", "kvcachepool", "simsmall", "--timeout=120s", timeout=130)
+    (operator,) = cluster.json("get", "pods", "-n", "kvpool-system")["items"]
+    statuses = operator["status"]["containerStatuses"]
+    assert statuses[0]["restartCount"] == 0, "the operator restarted under the chart's RBAC"
     poll("every pod gone", lambda: not _pods(cluster), 120)
     poll("every process stopped", lambda: not [n for n, p in pids.items() if pid_alive(p)], 60)
     assert "No resources found" in cluster.kubectl("get", "kvcachepools,deployments,statefulsets")

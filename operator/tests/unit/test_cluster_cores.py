@@ -17,7 +17,15 @@ import yaml
 from op_builders import EXAMPLES
 
 from kvpool.operator import gen
-from kvpool.operator.cluster import openapi, patches, protobuf, selectors, structural, tables
+from kvpool.operator.cluster import (
+    openapi,
+    patches,
+    protobuf,
+    rbac,
+    selectors,
+    structural,
+    tables,
+)
 
 CRDS = {
     kind: gen.crd(kind, plural, short, spec, status)
@@ -297,3 +305,87 @@ def test_apply_merges_list_maps_and_json_patch_test_failure_is_an_error() -> Non
     with pytest.raises(patches.PatchError, match="test"):
         patches.json_patch({"a": 1}, [{"op": "test", "path": "/a", "value": 2}])
     assert patches.merge_patch({"a": {"b": 1, "c": 2}}, {"a": {"b": None}}) == {"a": {"c": 2}}
+
+
+# -- RBAC --------------------------------------------------------------------------------------
+def _binding(
+    kind: str, name: str, role: str, subject: dict[str, str], ns: str | None = None
+) -> Any:
+    meta = {"name": name, **({"namespace": ns} if ns else {})}
+    return {
+        "kind": kind,
+        "metadata": meta,
+        "roleRef": {"kind": role.split("/")[0], "name": role.split("/")[1]},
+        "subjects": [subject],
+    }
+
+
+def test_rbac_grants_what_the_bindings_say_and_nothing_else() -> None:
+    sa = "system:serviceaccount:kvpool-system:op"
+    role = {
+        "metadata": {"name": "op"},
+        "rules": [
+            {
+                "apiGroups": ["kvpool.io"],
+                "resources": ["p2pgroups", "p2pgroups/status"],
+                "verbs": ["list", "patch"],
+            },
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "verbs": ["get"],
+                "resourceNames": ["seed"],
+            },
+        ],
+    }
+    crb = _binding(
+        "ClusterRoleBinding",
+        "op",
+        "ClusterRole/op",
+        {"kind": "ServiceAccount", "name": "op", "namespace": "kvpool-system"},
+    )
+
+    def ok(
+        verb: str,
+        group: str,
+        resource: str,
+        ns: str | None = "default",
+        name: str | None = None,
+        user: str = sa,
+        groups: tuple[str, ...] = (),
+    ) -> bool:
+        req = rbac.Request(user, groups, verb, group, resource, ns, name)
+        return rbac.allowed(req, [], [role], [], [crb])
+
+    assert ok("list", "kvpool.io", "p2pgroups")
+    assert ok("patch", "kvpool.io", "p2pgroups/status", name="g")
+    assert not ok("delete", "kvpool.io", "p2pgroups", name="g")
+    assert not ok("patch", "kvpool.io", "pdpairs/status", name="g")
+    assert ok("get", "", "configmaps", name="seed") and not ok("get", "", "configmaps", name="x")
+    assert not ok("list", "kvpool.io", "p2pgroups", user="system:serviceaccount:other:op")
+    assert ok("delete", "", "secrets", user="admin", groups=(rbac.MASTERS,))
+    rb = _binding("RoleBinding", "r", "ClusterRole/op", {"kind": "User", "name": "u"}, "team")
+    req = rbac.Request("u", (), "list", "kvpool.io", "p2pgroups", "team", None)
+    assert rbac.allowed(req, [], [role], [rb], [])
+    assert not rbac.allowed(
+        rbac.Request("u", (), "list", "kvpool.io", "p2pgroups", "x", None), [], [role], [rb], []
+    )
+    assert rbac.verb_of("GET", False, True) == "watch" and rbac.verb_of("DELETE", False, False) == (
+        "deletecollection"
+    )
+    message = rbac.forbidden_message(
+        rbac.Request(
+            sa,
+            (),
+            "create",
+            "admissionregistration.k8s.io",
+            "mutatingwebhookconfigurations",
+            None,
+            None,
+        )
+    )
+    assert message == (
+        f'mutatingwebhookconfigurations is forbidden: User "{sa}" cannot create resource '
+        '"mutatingwebhookconfigurations" in API group "admissionregistration.k8s.io" at the '
+        "cluster scope"
+    )

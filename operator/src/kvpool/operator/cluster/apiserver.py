@@ -34,7 +34,7 @@ import attrs
 import kmock
 from kmock._internal import parsing, rendering
 
-from kvpool.operator.cluster import patches, protobuf, selectors, tables
+from kvpool.operator.cluster import patches, protobuf, rbac, selectors, tables
 from kvpool.operator.cluster.admission import AdmissionError
 from kvpool.operator.cluster.registry import SERVER_VERSION, Kind, Registry, res_of
 from kvpool.operator.cluster.store import Obj, Res, Store, StoreError, events
@@ -86,6 +86,7 @@ class ApiServer(Writes, kmock.KubernetesEmulator):
 
     declare_kvpool: bool = True
     record: bool = True
+    authorize: bool = False  # RBAC on every resource request (kvpool-operator cluster)
     admission: Admission | None = None
     resolve_service: ServiceResolver | None = None
     pod_log: Callable[[str, str], str | None] | None = None
@@ -233,6 +234,8 @@ class ApiServer(Writes, kmock.KubernetesEmulator):
         kind = self._kind(request)
         method, name, sub = method_of(request), request.name, request.subresource
         ns = request.namespace if kind.namespaced else None
+        if self.authorize:
+            self._authorize(request, kind, method, ns)
         if sub is not None and sub.startswith("proxy") and kind.res == ("", "v1", "services"):
             return await self._proxy(request, ns or "default", str(name), sub)
         if sub == "log" and kind.res == ("", "v1", "pods") and method == "GET":
@@ -303,6 +306,37 @@ class ApiServer(Writes, kmock.KubernetesEmulator):
             "metadata": {"resourceVersion": str(self.store.rv)},
             "items": items,
         }
+
+    def _authorize(
+        self, request: rendering.Request, kind: Kind, method: str, ns: str | None
+    ) -> None:
+        """RBAC (``rbac.py``) with the Roles and bindings stored here: 401 for an unknown token,
+        403 for a request no binding of the user grants."""
+        auth = request.headers.get("Authorization", "")
+        token = auth.split(" ", 1)[1] if auth.lower().startswith("bearer ") else ""
+        if token and token not in self.users:
+            raise error(401, "Unauthorized", "Unauthorized")
+        user = self._user(request)
+        watch = request.params.get("watch") in ("true", "1")
+        sub = request.subresource
+        asked = rbac.Request(
+            str(user["username"]),
+            tuple(user.get("groups") or ()),
+            rbac.verb_of(method, request.name is not None, watch),
+            kind.res.group,
+            kind.res.plural + (f"/{sub.split('/', 1)[0]}" if sub else ""),
+            ns,
+            request.name,
+        )
+        rbac_res = ("rbac.authorization.k8s.io", "v1")
+        if not rbac.allowed(
+            asked,
+            self.store.list(Res(*rbac_res, "roles")),
+            self.store.list(Res(*rbac_res, "clusterroles")),
+            self.store.list(Res(*rbac_res, "rolebindings")),
+            self.store.list(Res(*rbac_res, "clusterrolebindings")),
+        ):
+            raise error(403, "Forbidden", rbac.forbidden_message(asked))
 
     # -- watch -----------------------------------------------------------------------------------
     async def _watch(

@@ -80,6 +80,7 @@ class Kubelet:
     api_url: str
     proxy_url: str
     token_for: Callable[[str, str], str]
+    ca_pem: bytes
     runs: dict[str, PodRun] = field(default_factory=dict)  # by pod uid
     stacks: dict[str, LocalStack] = field(default_factory=dict)  # by namespace
     ports: dict[str, dict[int, int]] = field(default_factory=dict)  # namespace -> port map
@@ -211,11 +212,12 @@ class Kubelet:
         self._report(run)
 
     def _port_holder(self, run: PodRun) -> str | None:
+        """Another pod of the namespace whose process holds one of ``run``'s ports (one that is
+        stopping still does, until its process exits)."""
         for other in self.runs.values():
             if (
                 other is not run
                 and other.namespace == run.namespace
-                and not other.stopping
                 and other.container.pid is not None
                 and other.container_ports & run.container_ports
             ):
@@ -252,6 +254,7 @@ class Kubelet:
                 self.token_for(ns, account),
                 ns,
                 f"system:serviceaccount:{ns}:{account}",
+                self.ca_pem,
             ),
             encoding="utf-8",
         )
@@ -448,11 +451,14 @@ class Kubelet:
             await asyncio.to_thread(stack.close, 15.0)
 
 
-def kubeconfig(server: str, token: str, namespace: str, user: str) -> str:
-    """A kubeconfig for one client of this cluster (plain HTTP on 127.0.0.1, bearer token)."""
+def kubeconfig(server: str, token: str, namespace: str, user: str, ca_pem: bytes) -> str:
+    """A kubeconfig for one client of this cluster (HTTPS on 127.0.0.1 verified against the
+    cluster's CA, a bearer token: client-go sends no token over plain HTTP)."""
+    ca = base64.b64encode(ca_pem).decode()
     return (
         "apiVersion: v1\nkind: Config\n"
         f"clusters:\n- name: kvpool-local\n  cluster:\n    server: {server}\n"
+        f"    certificate-authority-data: {ca}\n"
         f"users:\n- name: {user}\n  user:\n    token: {token}\n"
         f"contexts:\n- name: kvpool-local\n  context:\n    cluster: kvpool-local\n"
         f"    user: {user}\n    namespace: {namespace}\n"

@@ -21,6 +21,7 @@ import logging
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -29,8 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import aiohttp.test_utils
 import aiohttp.web
 import kmock
+import yaml
 
 from kvpool.operator.cluster import proxy
 from kvpool.operator.cluster.admission import Webhooks
@@ -38,6 +41,7 @@ from kvpool.operator.cluster.apiserver import ApiServer, widen_backlog
 from kvpool.operator.cluster.controllers import ControllerManager
 from kvpool.operator.cluster.kubelet import Kubelet, kubeconfig
 from kvpool.operator.local.stack import free_port, pid_alive, reap, stop_group, terminate
+from kvpool.operator.runtime import certs
 
 log = logging.getLogger(__name__)
 DEFAULT_STATE_DIR = ".kvpool/cluster"
@@ -64,7 +68,9 @@ async def serve(state_dir: Path, port: int, say: TextIO, stop: asyncio.Event) ->
     state_dir = state_dir.resolve()
     admin_token = secrets.token_hex(16)
     tokens: dict[str, str] = {}
-    server = ApiServer(declare_kvpool=False, record=False, users={admin_token: ADMIN})
+    server = ApiServer(
+        declare_kvpool=False, record=False, authorize=True, users={admin_token: ADMIN}
+    )
 
     def token_for(namespace: str, account: str) -> str:
         key = f"{namespace}/{account}"
@@ -81,11 +87,22 @@ async def serve(state_dir: Path, port: int, say: TextIO, stop: asyncio.Event) ->
         return tokens[key]
 
     proxy_port = free_port()
-    async with server, kmock.Server(server, host="127.0.0.1", port=port) as listener:
+    pki = certs.generate(
+        state_dir / "pki", ["localhost"], ip_addresses=["127.0.0.1"], ca_name="kvpool-cluster-ca"
+    )
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(pki.certfile, pki.keyfile)
+    listening = kmock.Server(server, host="127.0.0.1", port=port, server_cls=_tls_server(tls))
+    async with server, listening as listener:
         widen_backlog(listener)
-        url = f"http://127.0.0.1:{listener.port}"
+        url = f"https://127.0.0.1:{listener.port}"
         kubelet = Kubelet(
-            server.store, state_dir / "pods", url, f"http://127.0.0.1:{proxy_port}", token_for
+            server.store,
+            state_dir / "pods",
+            url,
+            f"http://127.0.0.1:{proxy_port}",
+            token_for,
+            pki.ca_pem,
         )
         server.admission = Webhooks(server.store, kubelet.resolve)
         server.resolve_service = kubelet.resolve
@@ -98,7 +115,8 @@ async def serve(state_dir: Path, port: int, say: TextIO, stop: asyncio.Event) ->
         kubelet.start()
         config = state_dir / "kubeconfig"
         config.write_text(
-            kubeconfig(url, admin_token, "default", "kubernetes-admin"), encoding="utf-8"
+            kubeconfig(url, admin_token, "default", "kubernetes-admin", pki.ca_pem),
+            encoding="utf-8",
         )
         os.chmod(config, 0o600)
         tasks = [asyncio.create_task(controllers.run(stop)), asyncio.create_task(kubelet.run(stop))]
@@ -108,6 +126,7 @@ async def serve(state_dir: Path, port: int, say: TextIO, stop: asyncio.Event) ->
             "kubeconfig": str(config),
             "ready": True,
             "proxy": f"http://127.0.0.1:{proxy_port}",
+            "ca": str(state_dir / "pki" / "ca.crt"),
         }
         _write_state(state_dir, state)
         print(f"cluster: API server {url}, kubeconfig {config}", file=say, flush=True)
@@ -131,6 +150,17 @@ async def serve(state_dir: Path, port: int, say: TextIO, stop: asyncio.Event) ->
             await runner.cleanup()
             (state_dir / STATE_FILE).unlink(missing_ok=True)
             print("cluster: stopped", file=say, flush=True)
+
+
+def _tls_server(context: ssl.SSLContext) -> Any:
+    """kmock's server class, serving TLS with ``context`` (client-go sends tokens over TLS
+    only)."""
+
+    class TLSServer(aiohttp.test_utils.RawTestServer):
+        async def start_server(self, loop: Any = None, **kwargs: Any) -> None:
+            await super().start_server(loop=loop, ssl=context, **kwargs)
+
+    return TLSServer
 
 
 def _memory_bytes() -> int:
@@ -191,9 +221,11 @@ def service_url(state_dir: Path, namespace: str, service: str, port: str = "") -
     if state is None:
         raise RuntimeError(f"no cluster is up from {state_dir}")
     path = f"/api/v1/namespaces/{namespace}/services/{service}"
-    token = Path(state["kubeconfig"]).read_text().split("token: ", 1)[1].split()[0]
-    req = urllib.request.Request(state["url"] + path, headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
+    config = yaml.safe_load(Path(state["kubeconfig"]).read_text(encoding="utf-8"))
+    auth = {"Authorization": f"Bearer {config['users'][0]['user']['token']}"}
+    tls = ssl.create_default_context(cafile=state["ca"])
+    req = urllib.request.Request(state["url"] + path, headers=auth)
+    with urllib.request.urlopen(req, timeout=10, context=tls) as resp:
         svc = json.loads(resp.read())
     ports = svc["spec"].get("ports") or []
     sp = next((p for p in ports if port in ("", str(p.get("name")), str(p["port"]))), None)
@@ -204,8 +236,8 @@ def service_url(state_dir: Path, namespace: str, service: str, port: str = "") -
     pods_url = f"{state['url']}/api/v1/namespaces/{namespace}/pods?labelSelector=" + ",".join(
         f"{k}={v}" for k, v in sorted(selector.items())
     )
-    req = urllib.request.Request(pods_url, headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
+    req = urllib.request.Request(pods_url, headers=auth)
+    with urllib.request.urlopen(req, timeout=10, context=tls) as resp:
         items = json.loads(resp.read())["items"]
     running = (state.get("pods") or {}).get(namespace, {})
     for pod in items:
