@@ -106,6 +106,13 @@ bench-%: install ## Run one component's benchmark, e.g. make bench-controller QU
 	@mkdir -p bench-results
 	PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false $(BIN)/python $*/bench/run.py $(if $(QUICK),--quick) --out bench-results/$*.json
 
+##@ Chaos
+.PHONY: chaos
+chaos: install ## Kill -9, freeze and cut off each component of a local domain under a trace replay (~8 min; QUICK=1: the e2e suite's reduced run); bench-results/chaos.json and chaos.md
+	@mkdir -p bench-results && rm -rf .kvpool/chaos
+	cd e2e && LMCACHE_TRACK_USAGE=false ../$(BIN)/python -m chaos $(if $(QUICK),--reduced) \
+	  --out ../bench-results/chaos.json --workdir ../.kvpool/chaos
+
 ##@ Housekeeping
 .PHONY: clean
 clean: ## Remove the virtualenv, caches and benchmark results

@@ -9,11 +9,17 @@
 # Docker one already does; one is put in place for the install only when there is none), and
 # the unit it enables is disabled again. Its recommended prometheus-node-exporter is not
 # installed. 13-18 s on this 2-core box with the package lists fresh; ~100 MB on disk.
+#
+# nftables and iproute2: the chaos suite (`make chaos`, e2e/chaos/netns.py) partitions a worker's
+# ports with nft inside a network namespace of its own (never the machine's), and adds a veth
+# there for Mooncake; Debian's nftables service is not enabled by the package.
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 dpkg -s libibverbs1 >/dev/null 2>&1 || need+=(libibverbs1)   # mooncake-transfer-engine's runtime
 { command -v prometheus && command -v promtool; } >/dev/null 2>&1 || need+=(prometheus)
+command -v nft >/dev/null 2>&1 || need+=(nftables)   # the chaos suite's network cut (e2e/chaos)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)    # its namespace's veth, for Mooncake
 if ((${#need[@]})); then
   echo "kvpool: installing system packages: ${need[*]}"
   if [ "$(id -u)" != 0 ]; then
