@@ -73,16 +73,22 @@ def tier_config(tier: str, tmp: Path, svc: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_offload(config: dict[str, Any], opts: ReferenceEngineOptions, name: str) -> LMCacheOffload:
-    shape = model_shape(opts)
+    """An offload for the reference engine of ``opts``."""
+    return shape_offload(config, demo_shape(opts), name, opts.model_name)
+
+
+def shape_offload(
+    config: dict[str, Any], shape: KVShape, name: str, model_name: str
+) -> LMCacheOffload:
     return LMCacheOffload(
         config,
         instance_id=name,
         num_layers=shape.num_layers,
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
-        block_size=opts.block_size,
+        block_size=shape.block_size,
         dtype=shape.dtype,
-        model_name=opts.model_name,
+        model_name=model_name,
     )
 
 
@@ -167,16 +173,8 @@ def bandwidth(shape: KVShape, tokens: int, repeats: int) -> dict[str, float]:
     """LMCache store/retrieve GB/s (local_cpu) of ``tokens`` tokens of ``shape``'s KV and
     torch memcpy of the same bytes, interleaved round by round so the shared box's noise
     hits both alike."""
-    off = LMCacheOffload(
-        {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 2.0},
-        instance_id=f"bench-bandwidth-{shape.num_layers}",
-        num_layers=shape.num_layers,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        block_size=shape.block_size,
-        dtype=shape.dtype,
-        model_name=f"kvpool/bench-{shape.num_layers}",
-    )
+    config = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 2.0}
+    off = shape_offload(config, shape, f"bench-bandwidth-{shape.num_layers}", "kvpool/bench")
     bs = shape.block_size
     nb = tokens // bs + 8
     cache_shape = (2, nb, bs, shape.num_kv_heads, shape.head_dim)
