@@ -111,29 +111,18 @@ def _port_names(inst: InstancePorts) -> dict[str, int]:
     return out
 
 
-def instance_objects(
-    pool: KVCachePool,
-    member: P2PGroup | PDPair,
-    instance: Instance,
-    mounted_config: str,
-) -> list[Obj]:
-    """StatefulSet (1 replica) and headless Service of one instance; ``mounted_config`` is the
-    instance's LMCache YAML as mounted (its hash restarts the pod when it changes)."""
-    ns = pool.metadata.namespace
-    spec = member.spec
-    inst, engine, tp = instance.ports, instance.engine, instance.tp
-    labels = {
-        **names.pool_labels(pool, "worker"),
-        names.LABEL_MEMBER: member.metadata.name,
-        names.LABEL_INSTANCE: inst.name,
-        names.LABEL_ROLE: inst.role,
-    }
+def _volumes(
+    pool: KVCachePool, member: P2PGroup | PDPair, instance: Instance
+) -> tuple[list[Obj], list[Obj]]:
+    """The pod's volumes and the engine's mounts of them: the instance's LMCache config,
+    ``/dev/shm``, and the disk tier (its size for every TP rank) when the pool has one."""
+    name = instance.ports.name
     volumes: list[Obj] = [
         {
             "name": "lmcache-config",
             "configMap": {
                 "name": names.lmcache_configmap_name(member),
-                "items": [{"key": names.instance_config_key(inst.name), "path": "lmcache.yaml"}],
+                "items": [{"key": names.instance_config_key(name), "path": "lmcache.yaml"}],
             },
         },
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
@@ -144,8 +133,17 @@ def instance_objects(
     ]
     disk = pool.spec.tiers.disk
     if disk is not None:
-        volumes.append({"name": "kv-disk", "emptyDir": {"sizeLimit": str(disk.size * tp)}})
+        volumes.append({"name": "kv-disk", "emptyDir": {"sizeLimit": str(disk.size * instance.tp)}})
         mounts.append({"name": "kv-disk", "mountPath": disk.path})
+    return volumes, mounts
+
+
+def worker_container(
+    pool: KVCachePool, member: P2PGroup | PDPair, instance: Instance, mounts: list[Obj]
+) -> Obj:
+    """The engine container of one instance: command, env, named ports, resources (with the
+    memory LMCache pins), readiness probe and ``mounts``."""
+    inst, engine = instance.ports, instance.engine
     resources = worker_resources(pool, member, instance)
     container = k8s.container(
         "engine",
@@ -161,8 +159,29 @@ def instance_objects(
         k8s.http_probe(inst.http, "/readyz" if engine.platform == "cpu" else "/health"),
     )
     container["volumeMounts"] = mounts
+    return container
+
+
+def instance_objects(
+    pool: KVCachePool,
+    member: P2PGroup | PDPair,
+    instance: Instance,
+    mounted_config: str,
+) -> list[Obj]:
+    """StatefulSet (1 replica) and headless Service of one instance; ``mounted_config`` is the
+    instance's LMCache YAML as mounted (its hash restarts the pod when it changes)."""
+    ns = pool.metadata.namespace
+    spec = member.spec
+    inst = instance.ports
+    labels = {
+        **names.pool_labels(pool, "worker"),
+        names.LABEL_MEMBER: member.metadata.name,
+        names.LABEL_INSTANCE: inst.name,
+        names.LABEL_ROLE: inst.role,
+    }
+    volumes, mounts = _volumes(pool, member, instance)
     pod: Obj = {
-        "containers": [container],
+        "containers": [worker_container(pool, member, instance, mounts)],
         "volumes": volumes,
         # Longer than the worker's SIGTERM deadline (kvpool-worker --shutdown-deadline, 30 s by
         # default), so it drains, flushes stores and deregisters before the kubelet kills it.

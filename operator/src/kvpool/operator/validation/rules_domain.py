@@ -260,39 +260,58 @@ def _tp_that_splits(heads: int, tp: int) -> int:
 
 def model_relations(pool: KVCachePool, members: Members) -> list[Problem]:
     """Chunk vs block size, KV heads vs TP (MLA exempt), MLA vs serde, engine memory."""
-    out: list[Problem] = []
-    spec, model = pool.spec, pool.spec.model
-    if spec.chunk_size % spec.block_size:
-        fixed = math.ceil(spec.chunk_size / spec.block_size) * spec.block_size
-        out.append(
-            Problem(
-                where(pool, "spec.chunkSize"),
-                f"chunk size {spec.chunk_size} is not a multiple of blockSize "
-                f"{spec.block_size}: LMCache stores whole vLLM blocks per chunk and its vLLM "
-                "connector refuses this chunk size",
-                f"set chunkSize: {fixed} (a multiple of blockSize {spec.block_size}), or a "
-                "blockSize that divides chunkSize",
-                code="chunk.block",
-                patch=(set_field(pool, "spec.chunkSize", fixed),),
-            )
+    out = _chunk_block(pool) + _reference_dtype(pool, members) + _mla(pool)
+    for member in members:
+        out += _member_engines(pool, member)
+    return out
+
+
+def _chunk_block(pool: KVCachePool) -> list[Problem]:
+    """The chunk size a multiple of the vLLM block size."""
+    spec = pool.spec
+    if not spec.chunk_size % spec.block_size:
+        return []
+    fixed = math.ceil(spec.chunk_size / spec.block_size) * spec.block_size
+    return [
+        Problem(
+            where(pool, "spec.chunkSize"),
+            f"chunk size {spec.chunk_size} is not a multiple of blockSize "
+            f"{spec.block_size}: LMCache stores whole vLLM blocks per chunk and its vLLM "
+            "connector refuses this chunk size",
+            f"set chunkSize: {fixed} (a multiple of blockSize {spec.block_size}), or a "
+            "blockSize that divides chunkSize",
+            code="chunk.block",
+            patch=(set_field(pool, "spec.chunkSize", fixed),),
         )
+    ]
+
+
+def _reference_dtype(pool: KVCachePool, members: Members) -> list[Problem]:
+    """A KV dtype the reference engine keeps, when a member runs it."""
+    kv_dtype = pool.spec.model.kv_dtype
     cpu = sorted(
         key(m)
         for m in members
         if any(e.platform == "cpu" and e.sim is None for _, e, _ in engines(m))
     )  # the simulated engine only counts KV bytes: every dtype of the API is fine for it
-    if cpu and model.kv_dtype not in REFERENCE_ENGINE_KV_DTYPES:
-        out.append(
-            Problem(
-                where(pool, "spec.model.kvDtype"),
-                f"{', '.join(cpu)} run kvpool's reference engine (platform cpu), which keeps KV "
-                f"in {', '.join(REFERENCE_ENGINE_KV_DTYPES)} only, not {model.kv_dtype}",
-                "set model.kvDtype: bfloat16 (or float16, float32)",
-                code="kv-dtype.reference",
-                patch=(set_field(pool, "spec.model.kvDtype", "bfloat16"),),
-            )
+    if not cpu or kv_dtype in REFERENCE_ENGINE_KV_DTYPES:
+        return []
+    return [
+        Problem(
+            where(pool, "spec.model.kvDtype"),
+            f"{', '.join(cpu)} run kvpool's reference engine (platform cpu), which keeps KV "
+            f"in {', '.join(REFERENCE_ENGINE_KV_DTYPES)} only, not {kv_dtype}",
+            "set model.kvDtype: bfloat16 (or float16, float32)",
+            code="kv-dtype.reference",
+            patch=(set_field(pool, "spec.model.kvDtype", "bfloat16"),),
         )
-    remote = spec.tiers.remote
+    ]
+
+
+def _mla(pool: KVCachePool) -> list[Problem]:
+    """An MLA model: naive serde on the remote tier, one latent (not KV heads) per token."""
+    out: list[Problem] = []
+    model, remote = pool.spec.model, pool.spec.tiers.remote
     if model.mla and remote is not None and remote.serde != "naive":
         out.append(
             Problem(
@@ -316,38 +335,44 @@ def model_relations(pool: KVCachePool, members: Members) -> list[Problem]:
                 patch=(set_field(pool, "spec.model.numKvHeads", 1),),
             )
         )
-    for member in members:
-        for path, engine, tp in engines(member):
-            tp_field = path.removesuffix("engine") + "tensorParallelSize"
-            heads = model.num_kv_heads
-            if not model.mla and heads % tp and tp % heads:
-                fixed_tp = _tp_that_splits(heads, tp)
+    return out
+
+
+def _member_engines(pool: KVCachePool, member: P2PGroup | PDPair) -> list[Problem]:
+    """Each engine of a member: KV heads that split over its TP size, memory kvpool can add to."""
+    out: list[Problem] = []
+    model = pool.spec.model
+    for path, engine, tp in engines(member):
+        tp_field = path.removesuffix("engine") + "tensorParallelSize"
+        heads = model.num_kv_heads
+        if not model.mla and heads % tp and tp % heads:
+            fixed_tp = _tp_that_splits(heads, tp)
+            out.append(
+                Problem(
+                    where(member, tp_field),
+                    f"{heads} KV heads do not split evenly over {tp} TP ranks: vLLM needs "
+                    "numKvHeads divisible by the TP size (or the TP size a multiple of "
+                    "numKvHeads, replicating heads)",
+                    f"set {tp_field.removeprefix('spec.')}: {fixed_tp}",
+                    code="tp.heads",
+                    patch=(set_field(member, tp_field, fixed_tp),),
+                )
+            )
+        for table in ("requests", "limits"):
+            value = getattr(engine.resources, table).get("memory")
+            if value is None:
+                continue
+            try:
+                parse_quantity(value)
+            except ValueError as exc:
+                field = f"{path}.resources.{table}.memory"
                 out.append(
                     Problem(
-                        where(member, tp_field),
-                        f"{heads} KV heads do not split evenly over {tp} TP ranks: vLLM needs "
-                        "numKvHeads divisible by the TP size (or the TP size a multiple of "
-                        "numKvHeads, replicating heads)",
-                        f"set {tp_field.removeprefix('spec.')}: {fixed_tp}",
-                        code="tp.heads",
-                        patch=(set_field(member, tp_field, fixed_tp),),
+                        where(member, field),
+                        f"{exc}; kvpool adds LMCache's host memory to it",
+                        "write it in bytes or with a binary suffix (e.g. 8Gi), or remove it",
+                        code="engine.memory",
+                        patch=(remove_field(member, field),),
                     )
                 )
-            for table in ("requests", "limits"):
-                value = getattr(engine.resources, table).get("memory")
-                if value is None:
-                    continue
-                try:
-                    parse_quantity(value)
-                except ValueError as exc:
-                    field = f"{path}.resources.{table}.memory"
-                    out.append(
-                        Problem(
-                            where(member, field),
-                            f"{exc}; kvpool adds LMCache's host memory to it",
-                            "write it in bytes or with a binary suffix (e.g. 8Gi), or remove it",
-                            code="engine.memory",
-                            patch=(remove_field(member, field),),
-                        )
-                    )
     return out

@@ -81,29 +81,45 @@ def _unused_transfer(group: P2PGroup) -> list[Problem]:
 
 
 def _p2p_transfer(group: P2PGroup) -> list[Problem]:
-    spec, t = group.spec, group.spec.transfer
-    if not spec.p2p:
+    """A P2P group's transfer settings: the channel, the Ascend-only options, the pull modes
+    and async loading (in that order)."""
+    if not group.spec.p2p:
         return _unused_transfer(group)
-    platform = spec.engine.platform
+    platform = group.spec.engine.platform
     out = _channel(group, platform)
-    if platform != "ascend":
+    out += _ascend_only(group, platform)
+    out += _pull_modes(group)
+    return out + _async_loading(group, platform)
+
+
+def _ascend_only(group: P2PGroup, platform: str) -> list[Problem]:
+    """LMCache-Ascend's options, which upstream LMCache ignores on another platform."""
+    if platform == "ascend":
+        return []
+    t = group.spec.transfer
+    return [
+        Problem(
+            where(group, f"spec.transfer.{field}"),
+            f"is an LMCache-Ascend option; upstream LMCache on {platform} ignores it",
+            f"set transfer.{field}: false, or use platform: ascend",
+            rule=5,
+            code=f"transfer.ascend-only.{field}",
+            patch=(set_field(group, f"spec.transfer.{field}", False),),
+        )
         for field, on in (
             ("pullMode", t.pull_mode),
             ("delayPull", t.delay_pull),
             ("useNPU", t.use_npu),
             ("hostStaging.enabled", t.host_staging.enabled),
-        ):
-            if on:
-                out.append(
-                    Problem(
-                        where(group, f"spec.transfer.{field}"),
-                        f"is an LMCache-Ascend option; upstream LMCache on {platform} ignores it",
-                        f"set transfer.{field}: false, or use platform: ascend",
-                        rule=5,
-                        code=f"transfer.ascend-only.{field}",
-                        patch=(set_field(group, f"spec.transfer.{field}", False),),
-                    )
-                )
+        )
+        if on
+    ]
+
+
+def _pull_modes(group: P2PGroup) -> list[Problem]:
+    """Delay pull and HostStaging: what LMCache-Ascend needs before it honours them."""
+    out: list[Problem] = []
+    t = group.spec.transfer
     if t.delay_pull and not (t.pull_mode and t.use_npu):
         missing = [n for n, v in (("pullMode", t.pull_mode), ("useNPU", t.use_npu)) if not v]
         out.append(
@@ -143,6 +159,13 @@ def _p2p_transfer(group: P2PGroup) -> list[Problem]:
                 patch=(set_field(group, "spec.transfer.pullMode", True),),
             )
         )
+    return out
+
+
+def _async_loading(group: P2PGroup, platform: str) -> list[Problem]:
+    """Where P2P needs async loading: upstream's lookups, and a cache policy anywhere."""
+    out: list[Problem] = []
+    spec = group.spec
     async_on = (set_field(group, "spec.enableAsyncLoading", True),)
     if platform != "ascend" and not spec.enable_async_loading:
         out.append(
@@ -273,6 +296,12 @@ def rule6_and_overrides(pool: KVCachePool, members: Members) -> list[Problem]:
 
 
 def _pd_pair(pair: PDPair) -> list[Problem]:
+    """A PD pair's sides: one platform and TP size, a buffer device the platform allocates,
+    neither side alone at zero."""
+    return _pd_sides(pair) + _pd_buffer_device(pair) + _pd_half_scaled(pair)
+
+
+def _pd_sides(pair: PDPair) -> list[Problem]:
     out: list[Problem] = []
     spec = pair.spec
     p, d = spec.prefill.engine.platform, spec.decode.engine.platform
@@ -302,6 +331,13 @@ def _pd_pair(pair: PDPair) -> list[Problem]:
                 patch=(set_field(pair, "spec.decode.tensorParallelSize", tpp),),
             )
         )
+    return out
+
+
+def _pd_buffer_device(pair: PDPair) -> list[Problem]:
+    out: list[Problem] = []
+    spec = pair.spec
+    p = spec.prefill.engine.platform
     device = default_pd_buffer_device(pair)
     allowed = PD_BUFFER_DEVICES[p]
     if device not in allowed:
@@ -334,6 +370,12 @@ def _pd_pair(pair: PDPair) -> list[Problem]:
                 patch=(set_field(pair, "spec.transfer.bufferDevice", "npu"),),
             )
         )
+    return out
+
+
+def _pd_half_scaled(pair: PDPair) -> list[Problem]:
+    out: list[Problem] = []
+    spec = pair.spec
     for side, role in (("prefill", spec.prefill), ("decode", spec.decode)):
         other = spec.decode if side == "prefill" else spec.prefill
         if role.replicas == 0 and other.replicas > 0:
