@@ -17,11 +17,12 @@ No attempt outlives ``timeout_s``; :meth:`Replay.stop` ends a run early, :meth:`
 sends nothing more and lets what is in flight answer.
 
 A client that retries (``Endpoint.retries``; the chaos suite, e2e/chaos) sends a request again
-after an answer it may retry: a retryable status (429, 502, 503, 504: after its ``Retry-After``
-when there is one), a connection refused or cut, or an error event in the stream (the answer is
-incomplete; the requests are greedy, so a second answer is the same). Each failed attempt is
-kept (:class:`FailedAttempt`: kind, status, ``Retry-After``); a timeout is never retried (it is
-what the suite counts as a hung request), nor an answer that ended without error yet incomplete.
+after an answer it may retry: a retryable status (429, 502, 503, 504), a connection refused or
+cut, or an error event in the stream (the answer is incomplete; the requests are greedy, so a
+second answer is the same), after 0.5 s doubling to 8 s, or the answer's ``Retry-After`` when
+it asks for longer. Each failed attempt is kept (:class:`FailedAttempt`: kind, status,
+``Retry-After``); a timeout is never retried (it is what the suite counts as a hung request),
+nor an answer that ended without error yet incomplete.
 """
 
 from __future__ import annotations
@@ -478,11 +479,11 @@ class Replay:
         if not retryable:
             return None
         backoff = min(8.0, 0.5 * (1 << min(len(out.attempts), 5)))
-        if out.retry_after is not None:
+        if out.retry_after is not None:  # at least what the server asks, backing off still
             with contextlib.suppress(ValueError):
                 after = float(out.retry_after)
                 if math.isfinite(after) and after >= 0:
-                    return min(after, _RETRY_AFTER_CAP_S)
+                    return max(backoff, min(after, _RETRY_AFTER_CAP_S))
         return backoff
 
     async def _exchange(self, job: Job, body: bytes, sent: float, out: Outcome) -> None:
