@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import kopf
 
+from kvpool.operator.api import kinds
 from kvpool.operator.api.common import API_VERSION
 from kvpool.operator.runtime import permissions
 
@@ -49,9 +50,7 @@ class Kind:
 
 
 KINDS: dict[str, Kind] = {
-    "KVCachePool": Kind(API_VERSION, "kvcachepools"),
-    "P2PGroup": Kind(API_VERSION, "p2pgroups"),
-    "PDPair": Kind(API_VERSION, "pdpairs"),
+    **{k.kind: Kind(API_VERSION, k.plural) for k in kinds.KINDS.values()},
     "ConfigMap": Kind("v1", "configmaps"),
     "Service": Kind("v1", "services"),
     "Pod": Kind("v1", "pods"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvpool.operator.api import kinds
 from kvpool.operator.api.common import GROUP, VERSION
 
 Scope = Literal["namespaced", "cluster"]
@@ -27,18 +28,13 @@ FIELD_MANAGER = "kvpool-operator"
 #: Name of the ValidatingWebhookConfiguration the operator patches in self-signed mode.
 WEBHOOK_CONFIGURATION = "kvpool.io"
 #: URL paths of the admission handlers (one per kind), under the webhook Service.
-WEBHOOK_PATHS = {
-    "KVCachePool": "/validate-kvcachepool",
-    "P2PGroup": "/validate-p2pgroup",
-    "PDPair": "/validate-pdpair",
-}
+WEBHOOK_PATHS = {k.kind: f"/validate-{k.singular}" for k in kinds.KINDS.values()}
 #: The operations each kind's webhook reviews: a pool's DELETE is refused while members remain.
 WEBHOOK_OPERATIONS: dict[str, tuple[str, ...]] = {
     "KVCachePool": ("CREATE", "UPDATE", "DELETE"),
     "P2PGroup": ("CREATE", "UPDATE"),
     "PDPair": ("CREATE", "UPDATE"),
 }
-_WEBHOOK_PLURALS = {"KVCachePool": "kvcachepools", "P2PGroup": "p2pgroups", "PDPair": "pdpairs"}
 COMMAND = ["kvpool-operator", "run"]
 #: Default arguments of the chart's container (values override the ports and the cert mode).
 DEFAULT_ARGS = [
@@ -65,12 +61,12 @@ _CHILD_VERBS: tuple[Verb, ...] = ("list", "create", "patch", "delete")
 
 PERMISSIONS: tuple[Permission, ...] = (
     *(
-        Permission(GROUP, plural, ("list", "watch", "patch"), why="kopf's watch, finalizers")
-        for plural in ("kvcachepools", "p2pgroups", "pdpairs")
+        Permission(GROUP, k.plural, ("list", "watch", "patch"), why="kopf's watch, finalizers")
+        for k in kinds.KINDS.values()
     ),
     *(
-        Permission(GROUP, f"{plural}/status", ("patch",), why="conditions and status")
-        for plural in ("kvcachepools", "p2pgroups", "pdpairs")
+        Permission(GROUP, f"{k.plural}/status", ("patch",), why="conditions and status")
+        for k in kinds.KINDS.values()
     ),
     Permission("", "configmaps", _CHILD_VERBS, why="domain seed, LMCache and gateway config"),
     Permission("", "services", _CHILD_VERBS, why="controller, gateway, instance Services"),
@@ -132,7 +128,7 @@ def webhooks() -> list[dict[str, object]]:
                     "apiGroups": [GROUP],
                     "apiVersions": [VERSION],
                     "operations": list(WEBHOOK_OPERATIONS[kind]),
-                    "resources": [_WEBHOOK_PLURALS[kind]],
+                    "resources": [kinds.KINDS[kind].plural],
                     "scope": "Namespaced",
                 }
             ],
