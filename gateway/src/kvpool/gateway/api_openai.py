@@ -17,13 +17,12 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 from pydantic import ValidationError
-from starlette.datastructures import URL, Headers
+from starlette.datastructures import URL
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvpool.gateway.deps import (
-    RAW_BODY,
     StateDep,
     authorize,
     bearer,
@@ -41,7 +40,7 @@ from kvpool.gateway.errors import (
 )
 from kvpool.gateway.models import Fields, chat_fields, completion_fields
 from kvpool.gateway.prompts import chat_tokens, check_tokens, completion_tokens
-from kvpool.gateway.serving import serve
+from kvpool.gateway.serving import Incoming, serve
 from kvpool.gateway.state import GatewayState
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -95,12 +94,18 @@ def _fields(endpoint: str, data: dict[str, Any]) -> Fields:
         raise bad_request(f"messages: {exc}", "messages") from exc
 
 
+def _headers(scope: Scope) -> dict[str, str]:
+    """The request's headers by (lowercase) name, the first of a repeated one winning, as
+    Starlette's ``Headers.get`` reads them."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(scope["headers"])}
+
+
 async def completion(
     state: GatewayState, scope: Scope, receive: Receive, endpoint: str
 ) -> Response:
     """One ``/v1/completions`` (``endpoint`` "completions") or ``/v1/chat/completions``
     ("chat") request, from its ASGI scope to the response to send."""
-    headers = Headers(scope=scope)
+    headers = _headers(scope)
     client = scope.get("client")
     check_key(state, bearer(headers), client[0] if client else None)
     check_declared_size(state, headers.get("content-length"))
@@ -116,9 +121,9 @@ async def completion(
         assert fields.prompt is not None
         tokens = await completion_tokens(state.encoder, fields.prompt)
         check_tokens(tokens, "prompt")
-    scope[RAW_BODY] = raw  # the body is forwarded unchanged: its own bytes
-    request = Request(scope, receive)
-    return await serve(state, request, endpoint, data, tokens, fields.user, fields.max_tokens)
+    # the body is forwarded unchanged (its own bytes); the PD flow asks whether the client left
+    incoming = Incoming(headers, raw, Request(scope, receive).is_disconnected)
+    return await serve(state, incoming, endpoint, data, tokens, fields.user, fields.max_tokens)
 
 
 def _not_allowed(scope: Scope) -> Response:

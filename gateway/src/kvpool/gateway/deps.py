@@ -24,9 +24,6 @@ from kvpool.gateway.state import GatewayState
 
 M = TypeVar("M", bound=BaseModel)
 
-#: Scope key of the body's bytes as the client sent them (set by :func:`read_json`), so an
-#: unchanged body is forwarded without being serialised again.
-RAW_BODY = "kvpool.raw_body"
 _DECODE = msgspec.json.Decoder().decode
 
 
@@ -104,9 +101,7 @@ async def read_json(request: Request, state: StateDep) -> dict[str, Any]:
             raise _too_large(limit)
         chunks.append(chunk)
     raw = b"".join(chunks)
-    data = parse_object(raw)
-    request.scope[RAW_BODY] = raw
-    return data
+    return parse_object(raw)
 
 
 def check_declared_size(state: GatewayState, declared: str | None) -> None:

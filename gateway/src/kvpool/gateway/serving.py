@@ -7,13 +7,13 @@ session memory) is the same, and lives here once.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request
 from fastapi.responses import Response
 
 from kvpool.gateway.admission import once
-from kvpool.gateway.deps import RAW_BODY
 from kvpool.gateway.errors import GatewayError
 from kvpool.gateway.instances import Instance
 from kvpool.gateway.proxy import Attempt
@@ -25,11 +25,22 @@ from kvpool.protocol.http_api import PD_ANY, session_of
 from kvpool.protocol.http_api import SESSION as SESSION_HEADER
 
 
-def pd_pair_for(state: GatewayState, request: Request) -> str | None:
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """What the request path reads of the HTTP request besides its body: the headers
+    (lowercase names; the first of a repeated one), the body's own bytes (forwarded
+    unchanged) and whether the client has gone (the PD flow asks before decoding)."""
+
+    headers: Mapping[str, str]
+    raw: bytes | None
+    client_gone: Callable[[], Awaitable[bool]]
+
+
+def pd_pair_for(state: GatewayState, incoming: Incoming) -> str | None:
     """The PD pair to use: named by ``x-kvpool-pd`` (a pair name or ``any``), or the only
     way to serve when the pool has no peer instances."""
     pairs = state.pd.pairs
-    wanted = request.headers.get(PD_HEADER)
+    wanted = incoming.headers.get(PD_HEADER)
     if wanted:
         if wanted == PD_ANY and pairs:
             return min(pairs)
@@ -47,9 +58,9 @@ def pd_pair_for(state: GatewayState, request: Request) -> str | None:
     return None
 
 
-def pinned_instance(state: GatewayState, request: Request) -> Instance | None:
+def pinned_instance(state: GatewayState, incoming: Incoming) -> Instance | None:
     """The instance named by ``x-kvpool-instance`` (moves a session on purpose), if any."""
-    name = request.headers.get(PIN_HEADER)
+    name = incoming.headers.get(PIN_HEADER)
     if not name:
         return None
     inst = state.instances.get(name)
@@ -66,7 +77,7 @@ def pinned_instance(state: GatewayState, request: Request) -> Instance | None:
 
 async def serve(
     state: GatewayState,
-    request: Request,
+    incoming: Incoming,
     endpoint: str,
     data: dict[str, Any],
     tokens: list[int],
@@ -74,11 +85,11 @@ async def serve(
     max_tokens: int | None,
 ) -> Response:
     """Route and forward one completion or chat request."""
-    session = session_of(request.headers.get(SESSION_HEADER), user)
+    session = session_of(incoming.headers.get(SESSION_HEADER), user)
     prompt = Prompt(len(tokens), tuple(state.hasher(tokens)), session)
-    pair = pd_pair_for(state, request)
+    pair = pd_pair_for(state, incoming)
     headers = {SESSION_HEADER: session} if session else {}
-    pinned = pinned_instance(state, request)  # a bad header is refused before taking a slot
+    pinned = pinned_instance(state, incoming)  # a bad header is refused before taking a slot
     try:
         await state.admission.acquire()
     except GatewayError as exc:
@@ -88,7 +99,7 @@ async def serve(
         release = once(state.admission.release)
         try:
             return await state.pd_flow.serve(
-                pair, endpoint, data, tokens, prompt, max_tokens, release, request.is_disconnected
+                pair, endpoint, data, tokens, prompt, max_tokens, release, incoming.client_gone
             )
         except BaseException:
             release()
@@ -104,5 +115,4 @@ async def serve(
 
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     release = once(state.admission.release)
-    raw = request.scope.get(RAW_BODY)  # the body is forwarded unchanged: its own bytes
-    return await state.proxy.forward(choose, path, data, headers, release, endpoint, raw)
+    return await state.proxy.forward(choose, path, data, headers, release, endpoint, incoming.raw)
