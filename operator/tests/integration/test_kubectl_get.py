@@ -53,7 +53,9 @@ async def test_kubectl_get_shows_ready_domain_seed_members_and_member_columns(
     url = str(apiserver.servers[0].url)
     fingerprint = one(apiserver, POOLS, "demo")["status"]["domainFingerprint"]
     pools = await _table(url, "kvcachepools")
-    assert pools["columns"] == ["Name", "Ready", "Domain", "Seed", "Members", "Age"]
+    assert pools["columns"] == [
+        "Name", "Ready", "Domain", "Seed", "Members", "Instances", "Hit", "Age"
+    ]  # fmt: skip
     assert pools["demo"][:5] == ["demo", "True", fingerprint, "0", 2]
     p2p = await _table(url, "p2pgroups")
     assert p2p["columns"] == ["Name", "Pool", "Instances", "TP", "Ready", "Age"]

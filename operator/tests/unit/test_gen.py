@@ -79,7 +79,7 @@ def test_crd_schema_is_structural(kind: str) -> None:
         assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     columns = [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c]
     if kind == "KVCachePool":
-        assert columns == ["Ready", "Domain", "Seed", "Members", "Age"]
+        assert columns == ["Ready", "Domain", "Seed", "Members", "Instances", "Hit", "Age"]
     else:
         assert columns == ["Pool", "Instances", "TP", "Ready", "Age"]
     assert CRDS[kind]["spec"]["names"]["shortNames"]

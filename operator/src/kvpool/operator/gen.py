@@ -147,6 +147,8 @@ def printer_columns(kind: str) -> list[dict[str, Any]]:
             {"name": "Domain", "type": "string", "jsonPath": ".status.domainFingerprint"},
             {"name": "Seed", "type": "string", "jsonPath": ".status.resolvedHashSeed"},
             {"name": "Members", "type": "integer", "jsonPath": ".status.memberCount"},
+            {"name": "Instances", "type": "string", "jsonPath": ".status.live.instances"},
+            {"name": "Hit", "type": "string", "jsonPath": ".status.live.hit"},
             _AGE,
             _REASON,
         ]

@@ -238,10 +238,13 @@ def set_condition(
     now: str,
     generation: int | None,
 ) -> list[Condition]:
-    """``current`` with condition ``ctype`` replaced by an observation made outside validation
-    (the operator's drift check, a missing pool, a blocked deletion); ``reasons`` is (when ok,
-    when not). lastTransitionTime is kept when the status did not change."""
+    """``current`` with condition ``ctype`` replaced (added when it has none) by an observation
+    made outside validation (the operator's drift check, a missing pool, a blocked deletion,
+    the live figures); ``reasons`` is (when ok, when not). lastTransitionTime is kept when the
+    status did not change."""
     new = _condition(ctype, ok, reasons[0], reasons[1], message, previous, now, generation)
+    if all(c.type != ctype for c in current):
+        return [*current, new]
     return [new if c.type == ctype else c for c in current]
 
 

@@ -110,7 +110,13 @@ class ObjectMeta(ApiModel):
 
 
 ConditionType = Literal[
-    "Ready", "Progressing", "Degraded", "ConfigValid", "HashSeedConsistent", "PortsConsistent"
+    "Ready",
+    "Progressing",
+    "Degraded",
+    "ConfigValid",
+    "HashSeedConsistent",
+    "PortsConsistent",
+    "FiguresCurrent",
 ]
 
 

@@ -337,6 +337,26 @@ class PDPairSpec(ApiModel):
     )
 
 
+class LiveMemberFigures(ApiModel):
+    """The member's instances as the controller and the gateway see them now (refreshed with
+    the pool's live figures)."""
+
+    instances_registered: int | None = Field(
+        default=None,
+        description="Instances with every TP rank registered with the controller (P2PGroup).",
+    )
+    instances_frozen: int | None = Field(
+        default=None, description="Instances whose LMCache is in a full-sync freeze."
+    )
+    instances_refused: int | None = Field(
+        default=None,
+        description="Instances not registered whose name the controller refused (another "
+        "domain fingerprint).",
+    )
+    frozen: list[str] | None = Field(default=None, description="Names of the frozen instances.")
+    refused: list[str] | None = Field(default=None, description="Names of the refused instances.")
+
+
 class MemberStatus(ApiModel):
     """Observed state of a P2PGroup or PDPair."""
 
@@ -360,6 +380,9 @@ class MemberStatus(ApiModel):
     defaults: list[str] = Field(
         default_factory=list,
         description="Sizes and counts kvpool filled in by default (field = value).",
+    )
+    live: LiveMemberFigures | None = Field(
+        default=None, description="Live figures from the controller and the gateway."
     )
 
 

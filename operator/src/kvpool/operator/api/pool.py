@@ -253,6 +253,84 @@ class KVCachePoolSpec(ApiModel):
     )
 
 
+class TierFigures(ApiModel):
+    """One LMCache storage backend (tier) in the controller's index."""
+
+    chunk_locations: int = Field(
+        description="(chunk, worker) entries the tier holds: a chunk of a TP-2 instance counts "
+        "once per rank."
+    )
+    bytes: int | None = Field(
+        default=None,
+        description="chunkLocations x bytes of a full chunk per rank (chunkSize x KV bytes per "
+        "token per rank): an upper bound, a partial last chunk counts whole. Absent when the "
+        "pool's P2P instances run different TP sizes.",
+    )
+
+
+class RefusedRegistration(ApiModel):
+    """An instance id the controller refused, and why."""
+
+    instance_id: str
+    reason: str
+
+
+class LivePoolFigures(ApiModel):
+    """What the domain is doing, read by the operator from its controller and gateway every
+    --figures-interval seconds (condition FiguresCurrent says whether the last read worked)."""
+
+    instances: str = Field(
+        description='P2P instances registered with the controller / expected, e.g. "3/4" '
+        '(column INSTANCES); "?/4" while the controller cannot be read.'
+    )
+    hit: str = Field(
+        description="Prompt tokens the gateway routed to an instance holding their KV, as a "
+        'share of all it routed in the window, e.g. "67.3%" (column HIT); "-" before two '
+        'readings, "idle" when nothing was routed in the window, "?" while the gateway cannot '
+        "be read."
+    )
+    instances_registered: int | None = Field(
+        default=None, description="Expected instances with every TP rank registered."
+    )
+    instances_expected: int = Field(
+        default=0, description="Instances of the pool's P2PGroups (PD instances do not register)."
+    )
+    workers_registered: int | None = None
+    workers_expected: int = 0
+    unexpected_instances: list[str] | None = Field(
+        default=None,
+        description="Instance ids registered with the controller that no member renders.",
+    )
+    chunks: int | None = Field(default=None, description="Distinct chunks in the index.")
+    tiers: dict[str, TierFigures] | None = Field(
+        default=None, description="Per LMCache location (LocalCPUBackend, ...)."
+    )
+    hit_ratio: float | None = Field(default=None, description="hitTokens / promptTokens.")
+    hit_tokens: int | None = Field(
+        default=None,
+        description="Prompt tokens the router expected the chosen instance to hold, in the "
+        "window (kvpool_gateway_predicted_hit_tokens_total).",
+    )
+    prompt_tokens: int | None = Field(
+        default=None,
+        description="Prompt tokens routed in the window (kvpool_gateway_prompt_tokens_total).",
+    )
+    window_seconds: float | None = Field(
+        default=None, description="Time between the two gateway readings the ratio is over."
+    )
+    instances_frozen: int | None = Field(
+        default=None,
+        description="Ready instances whose LMCache is in a full-sync freeze (their /readyz, as "
+        "the gateway last probed it).",
+    )
+    refused_registrations: int | None = Field(
+        default=None, description="Registrations the controller refused since it started."
+    )
+    refused: list[RefusedRegistration] | None = Field(
+        default=None, description="The latest refused instance ids (up to 20)."
+    )
+
+
 class KVCachePoolStatus(ApiModel):
     """Observed state of a cache domain."""
 
@@ -276,6 +354,9 @@ class KVCachePoolStatus(ApiModel):
     defaults: list[str] = Field(
         default_factory=list,
         description="Sizes and counts kvpool filled in by default (field = value).",
+    )
+    live: LivePoolFigures | None = Field(
+        default=None, description="Live figures from the controller and the gateway."
     )
 
 

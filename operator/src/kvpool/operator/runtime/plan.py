@@ -22,6 +22,7 @@ from kvpool.operator.api.members import MemberStatus, P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool, KVCachePoolStatus
 from kvpool.operator.derive import names
 from kvpool.operator.derive.instances import member_instances
+from kvpool.operator.figures import Health
 from kvpool.operator.loader import LoadError, parse_document
 from kvpool.operator.render import render_domain
 from kvpool.operator.render.fingerprint import pool_fingerprint
@@ -52,6 +53,8 @@ class Observed:
     members: list[Obj]
     children: list[Obj] = field(default_factory=list)
     pods: list[Obj] = field(default_factory=list)
+    #: FiguresCurrent as the live-figures poller last found it (None: not polled yet).
+    figures: Health | None = None
 
 
 @dataclass
@@ -308,6 +311,18 @@ def plan_domain(observed: Observed, now: str, adopt: Adopt) -> Plan:
     pool_st.conditions = _adjust(
         pool_st.conditions, drift, previous_conditions(pool_body), now, pool.metadata.generation
     )
+    if observed.figures is not None:
+        h = observed.figures
+        pool_st.conditions = status_code.set_condition(
+            pool_st.conditions,
+            "FiguresCurrent",
+            h.ok,
+            (h.reason, h.reason),
+            h.message,
+            previous_conditions(pool_body),
+            now,
+            pool.metadata.generation,
+        )
     plan.seed = pool_st.resolved_hash_seed
     _status_patch(pool_body, pool_st, plan)
     for body, member in parsed:
