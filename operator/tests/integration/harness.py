@@ -63,6 +63,8 @@ def test_settings(**overrides: Any) -> OperatorSettings:
         "delete_retry": 0.2,
         "log_format": "text",
         "controller_url": "http://127.0.0.1:9/",
+        "gateway_url": "http://127.0.0.1:9/",
+        "figures_interval": 0.0,  # no live figures unless a test asks (test_live_figures.py)
     }
     base.update(overrides)
     return OperatorSettings(**base)

@@ -162,6 +162,12 @@ class ChartValues(ApiModel):
     drift_interval_seconds: float = Field(
         default=30.0, gt=0, description="Seconds between drift checks of each pool. Default 30."
     )
+    figures_interval_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds between reads of each pool's controller and gateway for the live "
+        "figures in status (status.live, columns INSTANCES and HIT); 0 turns them off. Default 30.",
+    )
     health_port: int = Field(
         default=HEALTH_PORT, ge=1, le=65535, description="/healthz and /readyz. Default 8080."
     )

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvpool.operator.figures import Health
 from kvpool.operator.runtime import kube
 from kvpool.operator.runtime.metrics import Metrics
 from kvpool.operator.runtime.plan import Adopt, Observed, Plan, domain_selector, plan_domain, ref
@@ -172,6 +173,8 @@ class Reconciler:
         self.clock = clock
         #: Domains whose children were pruned for good: the uid of the pool being deleted.
         self.pruned: dict[Key, str] = {}
+        #: FiguresCurrent of a domain, kept by the live-figures poller (read, never awaited).
+        self.figures: Callable[[str, str], Health | None] = lambda _ns, _pool: None
         self._passes = Passes(self._reconcile, settle)
 
     async def reconcile(self, namespace: str, pool: str, *, settle: bool = True) -> Plan:
@@ -209,7 +212,8 @@ class Reconciler:
             for obj in objs
         ]
         pods = lists[-1] if lists else []
-        return Observed(namespace, pool_name, pool, members, children, pods)
+        figures = self.figures(namespace, pool_name)
+        return Observed(namespace, pool_name, pool, members, children, pods, figures)
 
     async def _reconcile(self, key: Key, this: Pass) -> Plan:
         namespace, pool_name = key

@@ -64,6 +64,22 @@ class OperatorSettings(BaseSettings):
         description="Where the operator reaches a pool's controller HTTP API (format string).",
     )
     controller_timeout: float = Field(default=5.0, gt=0)
+    gateway_url: str = Field(
+        default="http://{service}.{namespace}.svc:{port}",
+        description="Where the operator reaches a pool's gateway (format string).",
+    )
+    figures_interval: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds between reads of each pool's controller and gateway for the live "
+        "figures in status (0: never read them).",
+    )
+    figures_timeout: float = Field(
+        default=2.0, gt=0, description="Seconds one read of a controller or gateway may take."
+    )
+    figures_window: float = Field(
+        default=300.0, gt=0, description="Seconds the hit ratio in status is computed over."
+    )
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
