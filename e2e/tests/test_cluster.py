@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from upstack import CHUNK, chat, messages, poll, prefix_hits, registered, tokens
 
 from kvpool.operator.cluster.main import ClusterProcess, service_url
@@ -137,6 +139,33 @@ def _gone(cluster: Cluster, kind: str, name: str) -> None:
         raise AssertionError(f"{exc}\n{left}\noperator log:\n{logs[-4000:]}") from None
 
 
+def _columns(plural: str, wide: bool = False) -> list[str]:
+    """NAME and the printer columns kubectl shows for a kind (``wide``: all of them)."""
+    crd = yaml.safe_load((ROOT / "crds" / f"kvpool.io_{plural}.yaml").read_text())
+    printer = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    return ["NAME", *(c["name"].upper() for c in printer if wide or not c.get("priority"))]
+
+
+def _tables(text: str) -> list[list[dict[str, str]]]:
+    """kubectl's tables (blank-line separated), each row a dict by header, cut at the header's
+    column offsets (a cell may be empty)."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        header, *rows = block.splitlines()
+        starts = [m.start() for m in re.finditer(r"\S+(?: \S+)*", header)]
+        names = [header[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+        out.append(
+            [
+                {
+                    n: row[a:b].strip()
+                    for n, a, b in zip(names, starts, [*starts[1:], None], strict=True)
+                }
+                for row in rows
+            ]
+        )
+    return out
+
+
 def _registration(controller: str, instance_id: str) -> float:
     resp = httpx.post(
         f"{controller}/query_worker_info", json={"instance_id": instance_id}, timeout=10
@@ -222,14 +251,19 @@ def test_apply_with_client_side_validation_wait_get_and_explain(cluster: Cluster
         f"--timeout={READY_S:.0f}s",
         timeout=READY_S + 10,
     )
-    table = cluster.kubectl("get", "kvcachepools,p2pgroups,pdpairs").splitlines()
-    assert table[0].split() == ["NAME", "READY", "DOMAIN", "SEED", "MEMBERS", "AGE"]
-    assert table[1].split()[:5][:2] == ["kvcachepool.kvpool.io/simsmall", "True"]
-    assert table[1].split()[3:5] == ["0", "1"]
-    assert table[3].split() == ["NAME", "POOL", "INSTANCES", "TP", "READY", "AGE"]
-    assert table[4].split()[:5] == ["p2pgroup.kvpool.io/simsmall-sim", "simsmall", "4", "1", "True"]
-    wide = cluster.kubectl("get", "p2pg", "-o", "wide")
-    assert wide.splitlines()[0].split()[-1] == "REASON"
+    pools, groups = _tables(cluster.kubectl("get", "kvcachepools,p2pgroups,pdpairs"))
+    assert list(pools[0]) == _columns("kvcachepools")  # the CRD's printer columns, in order
+    assert pools[0]["NAME"] == "kvcachepool.kvpool.io/simsmall"
+    assert (pools[0]["READY"], pools[0]["SEED"], pools[0]["MEMBERS"]) == ("True", "0", "1")
+    assert list(groups[0]) == _columns("p2pgroups")
+    assert groups[0]["NAME"] == "p2pgroup.kvpool.io/simsmall-sim"
+    assert (groups[0]["POOL"], groups[0]["INSTANCES"], groups[0]["READY"]) == (
+        "simsmall",
+        "4",
+        "True",
+    )
+    (wide,) = _tables(cluster.kubectl("get", "p2pg", "-o", "wide"))
+    assert list(wide[0]) == _columns("p2pgroups", wide=True)
     explained = cluster.kubectl("explain", "kvcachepool.spec.tiers")
     assert "KIND:       KVCachePool" in explained
     assert "cpu\t<Object>" in explained and "disk\t<Object>" in explained
