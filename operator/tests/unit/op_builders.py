@@ -96,3 +96,17 @@ def demo_docs(namespace: str = "default") -> list[dict[str, Any]]:
     for i, d in enumerate(docs):
         d["metadata"].update(namespace=namespace, uid=f"uid-{i}", generation=1)
     return docs
+
+
+class DocsSource:
+    """A reconcile's view of the CRs (``reconcile.DomainSource``) over a list of bodies: the
+    first pool, and every other body as its member."""
+
+    def __init__(self, docs: list[dict[str, Any]]) -> None:
+        self.docs = docs
+
+    def pool(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return next((d for d in self.docs if d["kind"] == "KVCachePool"), None)
+
+    def members(self, namespace: str, pool: str) -> list[dict[str, Any]]:
+        return [d for d in self.docs if d["kind"] != "KVCachePool"]

@@ -9,23 +9,12 @@ import copy
 from typing import Any
 
 import pytest
-from op_builders import demo_docs
+from op_builders import DocsSource, demo_docs
 
 from kvpool.operator.runtime import reconcile
 from kvpool.operator.runtime.metrics import Metrics
 
 Obj = dict[str, Any]
-
-
-class Source:
-    def __init__(self, docs: list[Obj]) -> None:
-        self.docs = docs
-
-    def pool(self, namespace: str, name: str) -> Obj | None:
-        return next((d for d in self.docs if d["kind"] == "KVCachePool"), None)
-
-    def members(self, namespace: str, pool: str) -> list[Obj]:
-        return [d for d in self.docs if d["kind"] != "KVCachePool"]
 
 
 class SlowLists:
@@ -58,7 +47,7 @@ async def test_a_handler_shares_a_pass_that_is_still_listing_and_has_read_its_cr
     client = SlowLists()
     rec = reconcile.Reconciler(
         client,  # type: ignore[arg-type]
-        Source(docs),
+        DocsSource(docs),
         lambda children, owner: None,
         Metrics(),
         settle=0.0,

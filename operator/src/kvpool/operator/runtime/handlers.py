@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import aiohttp
 import kopf
 
+from kvpool.operator.api import kinds
 from kvpool.operator.api.common import GROUP, VERSION
 from kvpool.operator.derive import names
 from kvpool.operator.runtime import admission, kube, permissions, plan, reconcile
@@ -27,8 +28,9 @@ from kvpool.operator.runtime.settings import OperatorSettings
 
 Obj = dict[str, Any]
 log = logging.getLogger(__name__)
-MEMBER_PLURALS = {"P2PGroup": "p2pgroups", "PDPair": "pdpairs"}
-MANAGED_STS = {"app.kubernetes.io/managed-by": "kvpool-operator"}
+#: kopf's index of each kind: its bodies by domain (namespace, pool name), which the
+#: reconcile and the webhook read.
+INDEXES = {k.kind: f"kvpool_{k.plural}" for k in kinds.KINDS.values()}
 #: Retry of a reconcile that failed on the API (not an invalid spec: that is permanent). The
 #: pass is level-triggered and idempotent, so kopf's default of 60 s only delays recovery.
 RETRY_S = 5.0
@@ -47,15 +49,14 @@ class IndexSource:
         return list(store) if store else []
 
     def pool(self, namespace: str, name: str) -> Obj | None:
-        found = self._values("kvpool_pools", (namespace, name))
+        found = self._values(INDEXES[kinds.POOL.kind], (namespace, name))
         return found[0] if found else None
 
     def pool_keys(self) -> list[tuple[str, str]]:
-        return sorted(self.indexes.get("kvpool_pools", {}))
+        return sorted(self.indexes.get(INDEXES[kinds.POOL.kind], {}))
 
     def members(self, namespace: str, pool: str) -> list[Obj]:
-        out = self._values("kvpool_p2pgroups", (namespace, pool))
-        out += self._values("kvpool_pdpairs", (namespace, pool))
+        out = [b for k in kinds.MEMBERS for b in self._values(INDEXES[k.kind], (namespace, pool))]
         return sorted(out, key=lambda m: (m["kind"], m["metadata"]["name"]))
 
 
@@ -100,7 +101,7 @@ def _index(body: kopf.Body, key: tuple[str, str]) -> dict[tuple[str, str], Obj]:
 async def _deregister(rt: Runtime, member: Obj) -> None:
     """Tell the pool's controller that the member's instances are gone (before their pods)."""
     ns = member["metadata"]["namespace"]
-    pool = rt.source.pool(ns, member["spec"]["poolRef"]["name"])
+    pool = rt.source.pool(ns, kinds.pool_ref(member))
     if pool is None:
         return
     target = plan.deregistration(pool, member)
@@ -146,13 +147,117 @@ async def drift_loop(rt: Runtime) -> None:
                 log.exception("drift check of %s/%s failed", namespace, name)
 
 
+async def pool_index(**kw: Any) -> Any:
+    """kopf's index of pools: each pool's body under its own (namespace, name)."""
+    return _index(kw["body"], (kw["namespace"], kw["name"]))
+
+
+async def member_index(**kw: Any) -> Any:
+    """kopf's index of members: each body under (namespace, the pool it names)."""
+    return _index(kw["body"], (kw["namespace"], kinds.pool_ref(kw["body"])))
+
+
+@dataclass
+class Handlers:
+    """The operator's resource handlers on one Runtime. kopf calls each method with keyword
+    arguments; a test calls it alone, with a Runtime of fakes."""
+
+    rt: Runtime
+
+    async def reconcile_pool(self, **kw: Any) -> None:
+        """A pool created, changed or resumed: a (shared) pass over its domain."""
+        rt = self.rt
+        result = await rt.reconciler.reconcile_resource(kw["namespace"], kw["name"], kw["body"])
+        _raise_if_invalid(result, f"{kinds.POOL.kind}/{kw['name']}")
+
+    async def delete_pool(self, **kw: Any) -> None:
+        """A pool's finalizer: blocked (status, Event, retry) while live members remain, else
+        every child of the domain is pruned."""
+        rt = self.rt
+        namespace, name, body = kw["namespace"], kw["name"], dict(kw["body"])
+        members = [
+            m
+            for m in rt.source.members(namespace, name)
+            if not m["metadata"].get("deletionTimestamp")
+        ]
+        if members:
+            status, message = plan.deletion_blocked(body, members, reconcile.utcnow())
+            await rt.client.patch(kinds.POOL.kind, namespace, name, {"status": status}, status=True)
+            await rt.client.event(body, "Warning", "DeletionBlocked", message, reconcile.utcnow())
+            raise kopf.TemporaryError(message, delay=rt.settings.delete_retry)
+        await rt.reconciler.prune_all(namespace, name, body["metadata"].get("uid"))
+
+    async def reconcile_member(self, **kw: Any) -> None:
+        """A member created, changed or resumed: a pass over its domain (and over the domain
+        it left, when its poolRef changed)."""
+        rt = self.rt
+        namespace, name = kw["namespace"], kw["name"]
+        pool, previous = kinds.pool_ref(kw["body"]), kinds.pool_ref(kw.get("old"))
+        if previous and previous != pool:
+            await rt.reconciler.reconcile(namespace, previous)
+        result = await rt.reconciler.reconcile_resource(namespace, pool, kw["body"])
+        _raise_if_invalid(result, f"{kw['body']['kind']}/{name}")
+
+    async def delete_member(self, **kw: Any) -> None:
+        """A member's finalizer: deregister its instances, then a pass without it."""
+        member = copy.deepcopy(dict(kw["body"]))
+        await _deregister(self.rt, member)
+        await self.rt.reconciler.reconcile(kw["namespace"], kinds.pool_ref(member))
+
+    async def workload_event(self, **kw: Any) -> None:
+        """A worker StatefulSet's readiness changed: a pass (the gateway routes to ready PD
+        pairs only, status counts ready instances)."""
+        rt = self.rt
+        status, spec, labels = kw["status"], kw["spec"], kw["labels"]
+        ready = int(status.get("readyReplicas") or 0) >= int(spec.get("replicas", 1))
+        key = (kw["namespace"], kw["name"])
+        if rt.sts_ready.get(key, False) != ready and labels.get(names.LABEL_POOL):
+            rt.sts_ready[key] = ready
+            await rt.reconciler.reconcile(kw["namespace"], labels[names.LABEL_POOL])
+
+    async def validate(self, **kw: Any) -> None:
+        """The admission webhook: review the operation against the domain as indexed."""
+        rt = self.rt
+        operation = str(kw.get("operation") or "CREATE")
+        obj = copy.deepcopy(dict(kw["body"]))
+        ns = obj["metadata"].get("namespace") or kw.get("namespace") or "default"
+        obj["metadata"]["namespace"] = ns
+        kind = str(obj.get("kind"))
+        pool_name = kinds.domain_of(obj)
+        pool, members = rt.source.pool(ns, pool_name), rt.source.members(ns, pool_name)
+        old = kw.get("old")
+        prev = copy.deepcopy(dict(old)) if old else (obj if operation == "DELETE" else None)
+        new = None if operation == "DELETE" else obj
+        verdict = admission.review(operation, new, prev, pool, members)
+        kw["warnings"].extend(verdict.warnings)
+        rt.metrics.admissions.labels(kind, "allowed" if verdict.allowed else "refused").inc()
+        if not verdict.allowed:
+            raise kopf.AdmissionError(verdict.message(), code=422)
+
+
+def _on_changes(
+    registry: kopf.OperatorRegistry,
+    kind: kinds.CustomKind,
+    on_change: Callable[..., Awaitable[None]],
+    on_delete: Callable[..., Awaitable[None]],
+) -> None:
+    """``on_change`` on create, update and resume (kopf's handler id "reconcile"),
+    ``on_delete`` as the finalizer ("finalize"): the ids kopf keeps in each CR's annotations."""
+    for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
+        on(GROUP, VERSION, kind.plural, id="reconcile", backoff=RETRY_S, registry=registry)(
+            on_change
+        )
+    kopf.on.delete(GROUP, VERSION, kind.plural, id="finalize", registry=registry)(on_delete)
+
+
 def register(
     registry: kopf.OperatorRegistry,
     rt: Runtime,
     login: Callable[..., kopf.ConnectionInfo | None] | None = None,
 ) -> None:
-    """Register every handler of the operator on ``registry`` (kopf passes keyword args)."""
-    pools = (GROUP, VERSION, "kvcachepools")
+    """Register every handler of the operator on ``registry`` (kopf passes keyword args):
+    login, startup and cleanup here, the indexes, the resource handlers (``Handlers``) on each
+    kind, and the webhook unless ``webhook_mode`` is none."""
 
     @kopf.on.login(registry=registry)
     def login_handler(**kw: Any) -> kopf.ConnectionInfo | None:
@@ -165,7 +270,7 @@ def register(
 
     @kopf.on.startup(registry=registry)
     async def startup(**kw: Any) -> None:
-        for name in ("kvpool_pools", "kvpool_p2pgroups", "kvpool_pdpairs"):
+        for name in INDEXES.values():
             rt.source.indexes[name] = kw[name]
         rt.drift = asyncio.create_task(drift_loop(rt), name="kvpool drift timer")
         rt.ready = True
@@ -177,98 +282,24 @@ def register(
             rt.drift.cancel()
         await rt.client.close()
 
-    @kopf.index(*pools, id="kvpool_pools", registry=registry)
-    async def pool_index(**kw: Any) -> Any:
-        return _index(kw["body"], (kw["namespace"], kw["name"]))
-
-    async def member_index(**kw: Any) -> Any:
-        pool = str(kw["spec"].get("poolRef", {}).get("name", ""))
-        return _index(kw["body"], (kw["namespace"], pool))
-
-    kopf.index(GROUP, VERSION, "p2pgroups", id="kvpool_p2pgroups", registry=registry)(member_index)
-    kopf.index(GROUP, VERSION, "pdpairs", id="kvpool_pdpairs", registry=registry)(member_index)
-
-    async def reconcile_pool(**kw: Any) -> None:
-        result = await rt.reconciler.reconcile_resource(kw["namespace"], kw["name"], kw["body"])
-        _raise_if_invalid(result, f"KVCachePool/{kw['name']}")
-
-    for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
-        on(*pools, id="reconcile", backoff=RETRY_S, registry=registry)(reconcile_pool)
-
-    @kopf.on.delete(*pools, id="finalize", registry=registry)
-    async def delete_pool(**kw: Any) -> None:
-        namespace, name, body = kw["namespace"], kw["name"], dict(kw["body"])
-        members = [
-            m
-            for m in rt.source.members(namespace, name)
-            if not m["metadata"].get("deletionTimestamp")
-        ]
-        if members:
-            status, message = plan.deletion_blocked(body, members, reconcile.utcnow())
-            await rt.client.patch("KVCachePool", namespace, name, {"status": status}, status=True)
-            await rt.client.event(body, "Warning", "DeletionBlocked", message, reconcile.utcnow())
-            raise kopf.TemporaryError(message, delay=rt.settings.delete_retry)
-        await rt.reconciler.prune_all(namespace, name, body["metadata"].get("uid"))
-
-    async def reconcile_member(**kw: Any) -> None:
-        namespace, name = kw["namespace"], kw["name"]
-        pool = str(kw["spec"].get("poolRef", {}).get("name", ""))
-        old = kw.get("old") or {}
-        previous = (old.get("spec") or {}).get("poolRef", {}).get("name")
-        if previous and previous != pool:
-            await rt.reconciler.reconcile(namespace, str(previous))
-        result = await rt.reconciler.reconcile_resource(namespace, pool, kw["body"])
-        _raise_if_invalid(result, f"{kw['body']['kind']}/{name}")
-
-    async def delete_member(**kw: Any) -> None:
-        member = copy.deepcopy(dict(kw["body"]))
-        await _deregister(rt, member)
-        await rt.reconciler.reconcile(kw["namespace"], str(member["spec"]["poolRef"]["name"]))
-
-    for plural in MEMBER_PLURALS.values():
-        for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
-            on(GROUP, VERSION, plural, id="reconcile", backoff=RETRY_S, registry=registry)(
-                reconcile_member
-            )
-        kopf.on.delete(GROUP, VERSION, plural, id="finalize", registry=registry)(delete_member)
-
-    @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED_STS, registry=registry)
-    async def workload_event(**kw: Any) -> None:
-        status, spec, labels = kw["status"], kw["spec"], kw["labels"]
-        ready = int(status.get("readyReplicas") or 0) >= int(spec.get("replicas", 1))
-        key = (kw["namespace"], kw["name"])
-        if rt.sts_ready.get(key, False) != ready and labels.get(names.LABEL_POOL):
-            rt.sts_ready[key] = ready
-            await rt.reconciler.reconcile(kw["namespace"], labels[names.LABEL_POOL])
-
-    async def validate(**kw: Any) -> None:
-        operation = str(kw.get("operation") or "CREATE")
-        obj = copy.deepcopy(dict(kw["body"]))
-        ns = obj["metadata"].get("namespace") or kw.get("namespace") or "default"
-        obj["metadata"]["namespace"] = ns
-        kind = str(obj.get("kind"))
-        if kind == "KVCachePool":
-            pool_name = obj["metadata"]["name"]
-        else:
-            pool_name = str((obj.get("spec") or {}).get("poolRef", {}).get("name", ""))
-        pool, members = rt.source.pool(ns, pool_name), rt.source.members(ns, pool_name)
-        old = kw.get("old")
-        prev = copy.deepcopy(dict(old)) if old else (obj if operation == "DELETE" else None)
-        new = None if operation == "DELETE" else obj
-        verdict = admission.review(operation, new, prev, pool, members)
-        kw["warnings"].extend(verdict.warnings)
-        rt.metrics.admissions.labels(kind, "allowed" if verdict.allowed else "refused").inc()
-        if not verdict.allowed:
-            raise kopf.AdmissionError(verdict.message(), code=422)
-
-    operations = {
-        kind: [cast(Literal["CREATE", "UPDATE", "DELETE"], op) for op in ops]
-        for kind, ops in permissions.WEBHOOK_OPERATIONS.items()
-    }
+    for kind in kinds.KINDS.values():
+        index = pool_index if kind == kinds.POOL else member_index
+        kopf.index(GROUP, VERSION, kind.plural, id=INDEXES[kind.kind], registry=registry)(index)
+    handlers = Handlers(rt)
+    _on_changes(registry, kinds.POOL, handlers.reconcile_pool, handlers.delete_pool)
+    for kind in kinds.MEMBERS:
+        _on_changes(registry, kind, handlers.reconcile_member, handlers.delete_member)
+    kopf.on.event("apps", "v1", "statefulsets", labels=names.MANAGED_BY, registry=registry)(
+        handlers.workload_event
+    )
     if rt.settings.webhook_mode == "none":
         return
-    for kind, path in {"KVCachePool": "kvcachepools", **MEMBER_PLURALS}.items():
-        hook = permissions.WEBHOOK_PATHS[kind].lstrip("/")
+    for kind in kinds.KINDS.values():
+        hook = permissions.WEBHOOK_PATHS[kind.kind].lstrip("/")
+        operations = [
+            cast(Literal["CREATE", "UPDATE", "DELETE"], op)
+            for op in permissions.WEBHOOK_OPERATIONS[kind.kind]
+        ]
         kopf.on.validate(
-            GROUP, VERSION, path, id=hook, operations=operations[kind], registry=registry
-        )(validate)
+            GROUP, VERSION, kind.plural, id=hook, operations=operations, registry=registry
+        )(handlers.validate)
