@@ -23,6 +23,7 @@ from kvpool.operator.api import kinds
 from kvpool.operator.api.common import GROUP, VERSION
 from kvpool.operator.derive import names
 from kvpool.operator.runtime import admission, kube, permissions, plan, reconcile
+from kvpool.operator.runtime.figures import FiguresPoller
 from kvpool.operator.runtime.metrics import Metrics
 from kvpool.operator.runtime.settings import OperatorSettings
 
@@ -69,9 +70,11 @@ class Runtime:
     metrics: Metrics
     source: IndexSource
     reconciler: reconcile.Reconciler
+    figures: FiguresPoller
     ready: bool = False
     sts_ready: dict[tuple[str, str], bool] = field(default_factory=dict)
     drift: asyncio.Task[None] | None = None
+    figures_task: asyncio.Task[None] | None = None
 
     @classmethod
     def build(cls, settings: OperatorSettings) -> Runtime:
@@ -79,7 +82,13 @@ class Runtime:
         metrics = Metrics()
         source = IndexSource()
         reconciler = reconcile.Reconciler(client, source, _adopt, metrics)
-        return cls(settings, client, metrics, source, reconciler)
+
+        def request_pass(namespace: str, pool: str) -> Awaitable[plan.Plan]:
+            return reconciler.reconcile(namespace, pool, settle=False)
+
+        figures = FiguresPoller(settings, client, source, request_pass, metrics)
+        reconciler.figures = figures.health
+        return cls(settings, client, metrics, source, reconciler, figures)
 
 
 def _adopt(children: list[Obj], owner: Obj) -> None:
@@ -273,13 +282,17 @@ def register(
         for name in INDEXES.values():
             rt.source.indexes[name] = kw[name]
         rt.drift = asyncio.create_task(drift_loop(rt), name="kvpool drift timer")
+        if rt.settings.figures_interval > 0:
+            rt.figures_task = asyncio.create_task(rt.figures.run(), name="kvpool live figures")
         rt.ready = True
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
         rt.ready = False
-        if rt.drift is not None:
-            rt.drift.cancel()
+        for task in (rt.drift, rt.figures_task):
+            if task is not None:
+                task.cancel()
+        await rt.figures.close()
         await rt.client.close()
 
     for kind in kinds.KINDS.values():
