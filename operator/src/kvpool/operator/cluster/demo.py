@@ -117,6 +117,20 @@ def run(files: Sequence[str], state_dir: Path, png: Path, chart: Path, out: Text
             wait,
             timeout=READY_S + 10,
         )
+        selector = f"kvpool.io/pool={pool['metadata']['name']}"
+        deployments = yaml.safe_load(
+            kubectl("get", "deployments", "-n", ns, "-l", selector, "-o", "json", echo=False)
+        )
+        for deployment in deployments["items"]:  # the gateway rolls once the PD pair is ready
+            kubectl(
+                "rollout",
+                "status",
+                f"deployment/{deployment['metadata']['name']}",
+                "-n",
+                ns,
+                wait,
+                timeout=READY_S + 10,
+            )
         kubectl("get", "kvcachepools,p2pgroups,pdpairs", "-n", ns)
         kubectl("get", "pods", "-n", ns, "-o", "wide")
         objects: list[dict[str, Any]] = []
@@ -128,7 +142,7 @@ def run(files: Sequence[str], state_dir: Path, png: Path, chart: Path, out: Text
                     "-n",
                     ns,
                     "-l",
-                    f"kvpool.io/pool={pool['metadata']['name']}",
+                    selector,
                     "-o",
                     "json",
                     echo=False,
