@@ -144,7 +144,8 @@ REDUCED = Plan(
         n: ("chaossim",)
         for n in ("worker-kill", "controller-kill", "gateway-kill", "worker-freeze", "worker-cut")
     },
-    steady_s=8.0,
+    steady_s=5.0,
+    gap_s=1.0,
     recovery_cap_s=30.0,
     reduced=True,
 )

@@ -34,7 +34,7 @@ from kvpool.protocol.chat import REFERENCE_TOKENIZER_DIR, load_tokenizer
 #: A prompt: (domain, hash ids, input length, output length).
 PromptKey = tuple[str, tuple[int, ...], int, int]
 TIMEOUT_S = 30.0  # the client's timeout per attempt: past it a request is hung
-RETRIES = 8  # at most 0.5+1+2+4+8+8+8+8 s of backoff: longer than any restart here
+RETRIES = 10  # 0.5 s doubling to 8 s (or Retry-After if longer): ~55 s, past a reference restart
 
 
 @dataclass(frozen=True)
