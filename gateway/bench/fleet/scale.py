@@ -39,7 +39,7 @@ How (``measure_scale(quick, logdir)``; ``python gateway/bench/fleet/scale.py [--
    allocations, no allocator slack) on ``tracemalloc_locations``, tracing being slow.
 4. **Routing.** In process: the gateway's own state (``build_state`` over 1000 instances), its
    ``IndexClient`` in sync with a replica loaded from the controller's final snapshot; each trace
-   prompt (its chunk keys) goes through ``IndexClient.prefix_hits``, ``Selector.decide`` and
+   prompt (its chunk keys) goes through ``IndexClient.lookup``, ``Selector.decide`` and
    ``Selector.admit`` (what ``Selector.attempt`` does), the load tracker fed the simulated first
    tokens and ends so in-flight loads are the fleet's. Timed per request (wall clock).
 
@@ -96,7 +96,7 @@ Metrics (``measure_scale`` returns them; ``markdown`` renders them):
 | | (target p99 ≤ 1 ms) |
 | ``route_cpu_p50_ms_1000``, ``..._p99_...`` | the same in CPU time of the thread (what |
 | | the code costs, without the waits for a CPU of a shared box) |
-| ``route_hits_p99_ms_1000`` | its part in ``IndexClient.prefix_hits`` |
+| ``route_hits_p99_ms_1000`` | its part in ``IndexClient.lookup`` |
 | ``route_decide_p99_ms_1000`` | its part in ``Selector.decide`` + ``Selector.admit`` |
 | ``route_hit_instances_mean`` | instances holding a prefix of the prompt, per decision |
 | ``sim_wall_s`` | the simulation's wall time |
@@ -135,6 +135,7 @@ import zmq
 from kvpool.gateway.config import GatewayEnv, parse_config
 from kvpool.gateway.fleetsim.fleet import FleetConfig, FleetSim, Observer
 from kvpool.gateway.fleetsim.stats import RequestResult
+from kvpool.gateway.hitgroups import GroupedHits
 from kvpool.gateway.selection import Prompt
 from kvpool.gateway.state import build_state
 from kvpool.gateway.traces.mooncake import TraceRequest, Window, read_mooncake
@@ -864,7 +865,7 @@ async def _route(
                 prof.enable()
             c0 = cpu()
             t0 = clock()
-            hits = await client.prefix_hits(prompt.hashes)
+            hits = await client.lookup(prompt.hashes)  # what Selector.hits asks
             t1 = clock()
             inst, decision = sel.decide(pool, prompt, hits, set(), record=False)
             attempt = sel.admit(inst, prompt, decision)
@@ -876,7 +877,7 @@ async def _route(
             times["cpu"].append(c2 - c0)
             times["hits"].append(t1 - t0)
             times["decide"].append(t2 - t1)
-            times["hit_instances"].append(float(len(hits or {})))
+            times["hit_instances"].append(float(_holders(hits)))
             ticket = attempt.ticket
             if res.ttft_s is not None:
                 heapq.heappush(pending, (res.arrival_s + res.ttft_s, order, 0, ticket))
@@ -895,6 +896,13 @@ async def _route(
         return times, text
     finally:
         await state.http.aclose()
+
+
+def _holders(hits: GroupedHits | dict[str, Any] | None) -> int:
+    """Instances holding a prefix of the prompt, in either shape of the index's answer."""
+    if isinstance(hits, GroupedHits):
+        return sum(g.instances.bit_count() for g in hits.groups)
+    return len(hits or {})
 
 
 def route(
@@ -1086,7 +1094,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("route_p99_ms_1000", "routing decision p99 (ms, 1000 instances; target ≤ 1)", "{:.3f}"),
     ("route_cpu_p50_ms_1000", "routing decision p50, CPU time of the thread (ms)", "{:.3f}"),
     ("route_cpu_p99_ms_1000", "routing decision p99, CPU time of the thread (ms)", "{:.3f}"),
-    ("route_hits_p99_ms_1000", "of which IndexClient.prefix_hits p99 (ms)", "{:.3f}"),
+    ("route_hits_p99_ms_1000", "of which IndexClient.lookup p99 (ms)", "{:.3f}"),
     ("route_decide_p99_ms_1000", "of which decide + admit p99 (ms)", "{:.3f}"),
     ("route_hit_instances_mean", "instances holding a prefix, per decision", "{:.0f}"),
     ("box_load_1m_start", "load average of the box at the start (2 cores)", "{:.1f}"),

@@ -149,6 +149,24 @@ class IndexMatchesReference(RuleBasedStateMachine):
     def prefix_hits(self, hashes: list[int]) -> None:
         assert self.index.prefix_hits(hashes) == self.ref.prefix_hits(hashes)
 
+    @rule(hashes=st.lists(st.sampled_from(KEYS), max_size=10))
+    def prefix_groups(self, hashes: list[int]) -> None:
+        """The grouped answer, expanded, is the per-instance one; groups are disjoint."""
+        _, names = self.index.instance_names()
+        expanded: dict[str, tuple[int, dict[str, int]]] = {}
+        seen = 0
+        for group in self.index.prefix_groups(hashes):
+            assert group.instances and not group.instances & seen
+            seen |= group.instances
+            for inst in range(len(names)):
+                if group.instances >> inst & 1:
+                    expanded[names[inst]] = (group.hit_chunks, group.per_location)
+        want = {
+            name: (hit.hit_chunks, dict(hit.per_location))
+            for name, hit in self.ref.prefix_hits(hashes).items()
+        }
+        assert expanded == want
+
     @rule(hashes=st.lists(st.sampled_from(KEYS), max_size=10), req=insts, wid=wids)
     def p2p_lookup(self, hashes: list[int], req: str, wid: int) -> None:
         assert self.index.p2p_lookup(hashes, req, wid) == self.ref.p2p_lookup(hashes, req, wid)

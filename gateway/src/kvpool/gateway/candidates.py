@@ -63,8 +63,8 @@ class Candidate:
 class Candidates:
     """Candidates in a fixed order: ``names[i]`` has ``inflight[i]`` requests in flight,
     ``queued[i]`` prefill tokens queued, ``ttft[i]`` recent TTFT (NaN until measured), and holds
-    ``hits[i]`` when ``i`` is in ``hits``, else the hit of the ``shared`` group it is in (each
-    a position array and the hit every one of them holds), else nothing."""
+    ``hits[i]`` when ``i`` is in ``hits``, else the hit of the last ``shared`` group it is in
+    (each a position array and the hit every one of them holds), else nothing."""
 
     __slots__ = ("hits", "inflight", "names", "queued", "shared", "ttft")
 
@@ -115,7 +115,7 @@ class Candidates:
         own = self.hits.get(i)
         if own is not None:
             return own
-        for positions, hit in self.shared:
+        for positions, hit in reversed(self.shared):  # a later entry counts (as in scoring)
             if np.any(positions == i):
                 return hit
         return None

@@ -20,23 +20,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 import zmq
 import zmq.asyncio
 
+from kvpool.gateway.hitgroups import GroupedHits, name_of
 from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.routing import PrefixHit
 from kvpool.protocol import deltas as dl
-from kvpool.protocol.domain import split_instance_id
 from kvpool.protocol.http_api import (
     PREFIX_LOOKUP_PATH,
     prefix_lookup_hits,
     prefix_lookup_request,
 )
-from kvpool.protocol.index import InstanceHit
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +113,17 @@ class IndexClient:
 
     async def prefix_hits(self, hashes: Sequence[int]) -> dict[str, PrefixHit] | None:
         """Per configured instance name, what it holds of ``hashes``; None if unknown."""
+        found = await self.lookup(hashes)
+        return found.by_name() if isinstance(found, GroupedHits) else found
+
+    async def lookup(self, hashes: Sequence[int]) -> GroupedHits | dict[str, PrefixHit] | None:
+        """What the instances hold of ``hashes``: grouped from the replica, per name from the
+        controller's HTTP lookup, None if unknown."""
         if not hashes:
             return {} if self.usable else None
         if self.in_sync:
-            return hits_by_name(self.replica.prefix_hits(hashes))
+            version, ids = self.replica.index.instance_names()
+            return GroupedHits(self.replica.prefix_groups(hashes), ids, version)
         if not self.controller_up:
             return None
         try:
@@ -254,48 +260,11 @@ class IndexClient:
             self._ctx = None
 
 
-def hits_by_name(raw: Mapping[str, InstanceHit]) -> dict[str, PrefixHit]:
-    """An index's answer (kvpool.protocol.index) as the router takes it: one hit per
-    configured instance name. The fleet simulator asks its own index through this too.
-
-    Equal hits (the same chunks in the same tiers, as every holder of a shared system prompt
-    has) are one :class:`PrefixHit` object, built once per answer: a thousand holders cost a
-    thousand dictionary look-ups, not a thousand objects (and the policy weighs each distinct
-    hit once)."""
-    out: dict[str, PrefixHit] = {}
-    same: dict[tuple[int, tuple[tuple[str, int], ...]], PrefixHit] = {}
-    for instance_id, h in raw.items():
-        name = _name_of(instance_id)
-        chunks = h.hit_chunks
-        prev = out.get(name)
-        if prev is None or chunks > prev.hit_chunks:
-            key = (chunks, tuple(h.per_location.items()))
-            hit = same.get(key)
-            if hit is None:
-                hit = same[key] = PrefixHit(chunks, dict(h.per_location))
-            out[name] = hit
-    return out
-
-
-#: instance id -> configured name (ids are few and long-lived; dropped when it grows past this)
-_NAMES: dict[str, str] = {}
-_NAMES_LIMIT = 1 << 16
-
-
-def _name_of(instance_id: str) -> str:
-    name = _NAMES.get(instance_id)
-    if name is None:
-        if len(_NAMES) >= _NAMES_LIMIT:
-            _NAMES.clear()
-        name = _NAMES[instance_id] = split_instance_id(instance_id)[0]
-    return name
-
-
 def _by_name(rows: Any) -> dict[str, PrefixHit]:
     """Controller instance ids (``name~fingerprint``) → configured instance names."""
     out: dict[str, PrefixHit] = {}
     for instance_id, chunks, per_location in rows:
-        name = _name_of(instance_id)
+        name = name_of(instance_id)
         prev = out.get(name)
         if prev is None or chunks > prev.hit_chunks:
             out[name] = PrefixHit(chunks, dict(per_location))

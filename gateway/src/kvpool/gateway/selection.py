@@ -18,6 +18,7 @@ import numpy as np
 
 from kvpool.gateway.candidates import IntArray
 from kvpool.gateway.errors import upstream_error
+from kvpool.gateway.hitgroups import GroupedHits, GroupPositions
 from kvpool.gateway.index_client import IndexClient
 from kvpool.gateway.instances import Instance, InstanceSet
 from kvpool.gateway.load import LoadTracker, PendingPrefixes, extend_hit, merge_pending
@@ -31,6 +32,10 @@ from kvpool.gateway.routing import (
     Router,
     RouteRequest,
 )
+
+#: What the index says the instances hold of a prompt: grouped (the replica), per configured
+#: name (the controller's HTTP lookup), or None (unknown: the router falls back).
+Hits = GroupedHits | dict[str, PrefixHit] | None
 
 
 @dataclass(frozen=True)
@@ -52,11 +57,18 @@ class _PoolColumns:
     slots: IntArray
     _position: dict[str, int] | None = None
     _groups: np.ndarray[Any, np.dtype[Any]] | None = None
+    _grouped: GroupPositions | None = None
 
     def position(self) -> dict[str, int]:
         if self._position is None:
             self._position = {name: i for i, name in enumerate(self.names)}
         return self._position
+
+    def grouped(self) -> GroupPositions:
+        """The index's groups mapped to these positions."""
+        if self._grouped is None:
+            self._grouped = GroupPositions(self.names, self.position().get)
+        return self._grouped
 
     def groups(self) -> np.ndarray[Any, np.dtype[Any]]:
         """Each instance's P2P group ("" when it cannot pull: PD roles, p2p: false), as an
@@ -83,16 +95,16 @@ class Selector:
     _columns: _PoolColumns | None = None
     _puller_groups: tuple[InstanceSet, dict[str, str]] | None = None
 
-    async def hits(self, prompt: Prompt) -> dict[str, PrefixHit] | None:
+    async def hits(self, prompt: Prompt) -> Hits:
         if self.index is None:
             return None
-        return await self.index.prefix_hits(prompt.hashes)
+        return await self.index.lookup(prompt.hashes)
 
     def candidates(
         self,
         pool: Sequence[Instance],
         prompt: Prompt,
-        hits: dict[str, PrefixHit] | None,
+        hits: Hits,
         exclude: set[str],
     ) -> Candidates:
         """The available instances of ``pool`` (not in ``exclude``) with their loads and what
@@ -106,32 +118,71 @@ class Selector:
             thawed = [i for i in avail if i not in self.instances.frozen]
             avail = thawed or avail
         static = self._static(avail)
-        names = static.names
         inflight, queued, ttft = self.load.columns(static.slots)
-        hits = hits or {}
         pending = self.pending.hits(prompt.hashes, now)
-        group_best = self._group_best(hits)
+        if isinstance(hits, GroupedHits) and not self._pullers():
+            # no P2P group: every holder's hit is its own, so groups stay groups
+            shared = static.grouped().shared(hits)
+            sparse: dict[int, PrefixHit] = {}
+            if pending and shared:
+                owner = static.grouped().owners(shared)
+                held = [hit for _, hit in shared]
+                for name, chunks in pending.items():
+                    i = static.position().get(name)
+                    if i is not None:
+                        k = int(owner[i])
+                        merged = merge_pending(held[k] if k >= 0 else None, chunks)
+                        if merged is not None:
+                            sparse[i] = merged
+            elif pending:
+                sparse = self._sparse(static, {}, pending, {})
+            return Candidates(static.names, inflight, queued, ttft, sparse, shared)
+        by_name = (hits.by_name() if isinstance(hits, GroupedHits) else hits) or {}
+        group_best = self._group_best(by_name)
+        sparse = self._sparse(static, by_name, pending, group_best)
+        return Candidates(
+            static.names,
+            inflight,
+            queued,
+            ttft,
+            sparse,
+            self._group_shared(static, sparse, group_best),
+        )
+
+    def _sparse(
+        self,
+        static: _PoolColumns,
+        hits: dict[str, PrefixHit],
+        pending: dict[str, int],
+        group_best: dict[str, int],
+    ) -> dict[int, PrefixHit]:
+        """Each instance's index hit, extended by its pending chunks, then (a P2P member) by
+        the longest prefix its group holds, by position."""
         sparse: dict[int, PrefixHit] = {}
-        if hits or pending:
-            # each instance's index hit, extended by its pending chunks, then (a P2P member)
-            # by the longest prefix its group holds
-            where = static.position().get
-            for name, hit in hits.items():
-                i = where(name)
-                if i is not None:
-                    sparse[i] = hit
-            for name, chunks in pending.items():
-                i = where(name)
-                if i is not None:
-                    merged = merge_pending(hits.get(name), chunks)
-                    if merged is not None:
-                        sparse[i] = merged
-            if group_best:  # (extending by 0 chunks changes nothing)
-                for i, hit in list(sparse.items()):
-                    inst = avail[i]
-                    if inst.pulls:  # P2P: a peer's chunks can be pulled (tier p2p)
-                        best = group_best.get(inst.group, 0)
-                        sparse[i] = extend_hit(hit, best, P2P_LOCATION) or hit
+        where = static.position().get
+        for name, hit in hits.items():
+            i = where(name)
+            if i is not None:
+                sparse[i] = hit
+        for name, chunks in pending.items():
+            i = where(name)
+            if i is not None:
+                merged = merge_pending(hits.get(name), chunks)
+                if merged is not None:
+                    sparse[i] = merged
+        if group_best:  # (extending by 0 chunks changes nothing)
+            for i, hit in list(sparse.items()):
+                inst = static.instances[i]
+                if inst.pulls:  # P2P: a peer's chunks can be pulled (tier p2p)
+                    best = group_best.get(inst.group, 0)
+                    sparse[i] = extend_hit(hit, best, P2P_LOCATION) or hit
+        return sparse
+
+    @staticmethod
+    def _group_shared(
+        static: _PoolColumns, sparse: dict[int, PrefixHit], group_best: dict[str, int]
+    ) -> list[tuple[IntArray, PrefixHit]]:
+        """Per P2P group, the members without a hit of their own and what they can pull."""
         shared: list[tuple[IntArray, PrefixHit]] = []
         if group_best:
             groups = static.groups()
@@ -140,7 +191,7 @@ class Selector:
                 if members:
                     hit = PrefixHit(best, {P2P_LOCATION: best})
                     shared.append((np.array(members, dtype=np.int64), hit))
-        return Candidates(names, inflight, queued, ttft, sparse, shared)
+        return shared
 
     def _static(self, avail: Sequence[Instance]) -> _PoolColumns:
         """What does not change from request to request for this list of instances (cached
@@ -181,7 +232,7 @@ class Selector:
         self,
         pool: Sequence[Instance],
         prompt: Prompt,
-        hits: dict[str, PrefixHit] | None,
+        hits: Hits,
         exclude: set[str],
         role: str = "serve",
         reason: str | None = None,

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvpool.protocol.index import ChunkIndex, InstanceHit
+from kvpool.protocol.index import ChunkIndex, HitGroup, InstanceHit
 
 TOPIC = b"kvpool.delta"
 SNAPSHOT_REQUEST = b"snapshot"
@@ -192,6 +192,12 @@ class IndexReplica:
         if self.needs_snapshot and self.epoch is None:
             return {}
         return self.index.prefix_hits(hashes)
+
+    def prefix_groups(self, hashes: Sequence[int]) -> list[HitGroup]:
+        """:meth:`prefix_hits` grouped (:meth:`ChunkIndex.prefix_groups`)."""
+        if self.needs_snapshot and self.epoch is None:
+            return []
+        return self.index.prefix_groups(hashes)
 
 
 _BATCH_DECODER = msgspec.msgpack.Decoder(DeltaBatch)

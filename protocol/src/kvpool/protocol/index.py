@@ -51,12 +51,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice, repeat
 
+from kvpool.protocol.index_groups import HitGroup, hit_groups, per_instance
 from kvpool.protocol.index_slots import Decoded as _Decoded
 from kvpool.protocol.index_slots import Run as _Run
 from kvpool.protocol.index_slots import Slot as _Slot
 from kvpool.protocol.tiers import BACKENDS, tier_rank
 
-__all__ = ["SCAN_BLOCK", "TIER_ORDER", "ChunkIndex", "InstanceHit", "tier_rank"]
+__all__ = ["SCAN_BLOCK", "TIER_ORDER", "ChunkIndex", "HitGroup", "InstanceHit", "tier_rank"]
 
 #: LMCache storage backends (``str(backend)`` is the location a worker reports), fastest
 #: first, as :mod:`kvpool.protocol.tiers` ranks them. Unknown names come after.
@@ -68,6 +69,8 @@ SCAN_BLOCK = 64
 FIRST_BLOCK = 8
 #: Memo tables are dropped and rebuilt when they grow past this many entries.
 _MEMO_LIMIT = 1 << 16
+#: ... or when the decoded masks they hold name more (instance, location) pairs than this.
+_MEMO_WEIGHT = 1 << 18
 #: A slot log is compacted when it holds more than twice its live keys plus this slack.
 _LOG_SLACK = 256
 #: Keys of purged slots swept per admitted/evicted key (at least ``_SWEEP_MIN`` a call).
@@ -107,6 +110,8 @@ class ChunkIndex:
         self._rank_slots: dict[int, int] = {}  # worker id -> mask of slots with that id
         self._canon: dict[int, int] = {}
         self._memo: dict[int, _Decoded] = {}
+        self._memo_weight = 0
+        self._inst_version = 0  # changes whenever an instance id gets a (new) name
         self._dead = 0  # bits of purged slots that masks may still carry
         self._graves: deque[_Slot] = deque()  # purged slots whose keys are not swept yet
 
@@ -125,6 +130,7 @@ class ChunkIndex:
                 inst = len(self._inst_name)
                 self._inst_name.append(instance_id)
             self._inst_of[instance_id] = inst
+            self._inst_version += 1
         slot = heapq.heappop(self._free_slots) if self._free_slots else len(self._slots)
         record = _Slot(ident, inst, 1 << slot)
         if slot == len(self._slots):
@@ -159,6 +165,7 @@ class ChunkIndex:
         heapq.heappush(self._free_slots, slot)
         # masks that mentioned the slot are gone from the index; their memos must go too
         self._memo.clear()
+        self._memo_weight = 0
         self._canon.clear()
 
     def _release(self, slot: int) -> None:
@@ -233,18 +240,25 @@ class ChunkIndex:
         inst_mask = 0
         groups: dict[tuple[int, str], None] = {}
         workers: dict[int, set[int]] = {}
+        locations: dict[str, int] = {}
         rest = mask
         while rest:
             low = rest & -rest
             rest ^= low
             record = self._record(low.bit_length() - 1)
-            inst_mask |= 1 << record.inst
+            bit = 1 << record.inst
+            inst_mask |= bit
             groups[(record.inst, record.ident[2])] = None
             workers.setdefault(record.inst, set()).add(record.ident[1])
+            locations[record.ident[2]] = locations.get(record.ident[2], 0) | bit
         ranks = {inst: tuple(sorted(ids)) for inst, ids in workers.items()}
-        decoded = _Decoded(inst_mask, tuple(groups), ranks)
-        if len(self._memo) >= _MEMO_LIMIT:
+        decoded = _Decoded(inst_mask, tuple(groups), ranks, locations)
+        # bounded by what the entries hold, not their number: a mask of a thousand holders
+        # decodes to tens of kilobytes, and masks change as holders come and go
+        self._memo_weight += len(groups)
+        if len(self._memo) >= _MEMO_LIMIT or self._memo_weight > _MEMO_WEIGHT:
             self._memo.clear()
+            self._memo_weight = len(groups)
         self._memo[mask] = decoded
         return decoded
 
@@ -384,16 +398,19 @@ class ChunkIndex:
         ]
         return sorted(found, key=tier_rank)
 
-    def _scan(self, hashes: Iterable[int], slot_filter: int) -> tuple[dict[int, int], list[_Run]]:
-        """Per-instance leading hits counting only the slots in ``slot_filter`` (-1: all).
+    def _scan(
+        self, hashes: Iterable[int], slot_filter: int
+    ) -> tuple[list[tuple[int, int]], list[_Run]]:
+        """Leading hits counting only the slots in ``slot_filter`` (-1: all).
 
-        Returns {instance index: hit chunks} and the runs of equal (filtered) masks.
+        Returns the *ends* (hit chunks, bitmask of the instance indexes that stop there), the
+        longest last, and the runs of equal (filtered) masks.
         """
         get = self._chunks.get
         decode = self._decode
         source = iter(hashes)
         zeros = repeat(0)
-        hits: dict[int, int] = {}
+        ends: list[tuple[int, int]] = []
         runs: list[_Run] = []
         alive = 0
         raw = -1  # last raw mask seen; no mask equals -1, so the first chunk opens a run
@@ -419,30 +436,26 @@ class ChunkIndex:
                             still &= alive
                             runs.append(_Run(prev, n - start, alive))
                             ended = alive & ~still
-                            while ended:
-                                low = ended & -ended
-                                ended ^= low
-                                hits[low.bit_length() - 1] = n
+                            if ended:
+                                ends.append((n, ended))
                         if not still:
-                            return hits, runs
+                            return ends, runs
                         alive = still
                         prev = held
                         start = n
                 n += 1
-        if n:
+        if n and alive:
             runs.append(_Run(prev, n - start, alive))
-            while alive:
-                low = alive & -alive
-                alive ^= low
-                hits[low.bit_length() - 1] = n
-        return hits, runs
+            ends.append((n, alive))
+        return ends, runs
 
     def prefix_hits(self, hashes: Sequence[int]) -> dict[str, InstanceHit]:
         """Longest cached prefix of a prompt's chained chunk hashes, per instance.
 
         Only instances holding the first chunk appear. See ``InstanceHit`` for the fields.
         """
-        hits, runs = self._scan(hashes, ~self._dead)
+        ends, runs = self._scan(hashes, ~self._dead)
+        hits = per_instance(ends)
         if not hits:
             return {}
         per_loc: dict[int, dict[str, int]] = {inst: {} for inst in hits}
@@ -458,6 +471,19 @@ class ChunkIndex:
             result[name] = InstanceHit(name, n, per_loc[inst], workers[inst])
         return result
 
+    def prefix_groups(self, hashes: Sequence[int]) -> list[HitGroup]:
+        """:meth:`prefix_hits` as groups of instances holding exactly the same (a bitmask of
+        instance indexes each; :meth:`instance_names` names them): its cost grows with the
+        number of distinct answers, not of holders. Only instances holding the first chunk."""
+        ends, runs = self._scan(hashes, ~self._dead)
+        return hit_groups(ends, runs, self._decode) if ends else []
+
+    def instance_names(self) -> tuple[int, list[str]]:
+        """(version, instance id of each instance index): the version changes whenever an
+        index gets a name, so a caller may keep what it derived from the list until then. An
+        index whose instance left keeps its last name until reused; no answer includes it."""
+        return self._inst_version, self._inst_name
+
     def p2p_lookup(
         self, hashes: Sequence[int], requester_instance: str, worker_id: int
     ) -> list[tuple[str, str, int, int]]:
@@ -470,7 +496,8 @@ class ChunkIndex:
         allowed = self._rank_slots.get(worker_id, 0) & ~self._inst_slots.get(requester_instance, 0)
         if not allowed:
             return []
-        hits, runs = self._scan(hashes, allowed)
+        ends, runs = self._scan(hashes, allowed)
+        hits = per_instance(ends)
         if not hits:
             return []
         best: dict[int, str] = {}

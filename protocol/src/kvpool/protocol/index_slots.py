@@ -24,6 +24,7 @@ class Decoded:
     inst_mask: int
     groups: tuple[tuple[int, str], ...]
     workers: dict[int, tuple[int, ...]]  # instance index -> its worker ids, ascending
+    locations: dict[str, int]  # location -> bitmask of the instances holding it there
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 from kvpool.gateway.config import parse_config
 from kvpool.gateway.fleetsim.keys import chunk_keys
 from kvpool.gateway.fleetsim.stats import RequestResult
-from kvpool.gateway.index_client import hits_by_name
+from kvpool.gateway.hitgroups import GroupedHits
 from kvpool.gateway.instances import InstanceSet
 from kvpool.gateway.load import LoadTracker, PendingPrefixes, Ticket
 from kvpool.gateway.metrics import GatewayMetrics
@@ -271,7 +271,8 @@ class FleetSim:
             name, held = self._oracle(keys)
             decision = Decision(name, ORACLE, min(held * cfg.chunk_size, r.input_length))
         else:
-            hits = hits_by_name(self.index.prefix_hits(full))
+            version, ids = self.index.instance_names()
+            hits = GroupedHits(self.index.prefix_groups(full), ids, version)
             _, decision = self.selector.decide(
                 self.instances.peers(), prompt, hits, set(), record=False
             )
