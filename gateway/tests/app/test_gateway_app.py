@@ -320,6 +320,20 @@ async def test_every_instance_unreachable_is_502_with_retry_after(
     assert r.headers["retry-after"] == "1"
 
 
+async def test_the_health_loop_waits_an_interval_after_the_start_probe() -> None:
+    """The flake of the test above: the health loop probed again at once after the start's
+    probe, so an instance set ready right after the start was marked not ready again (two
+    failed probes in a row) whenever that probe landed before the request, and the request got
+    503 (or a tokenizer with no ready instance) instead of the 502 it tests."""
+    extra: dict[str, Any] = {"limits": {"healthIntervalSeconds": 30}}
+    async with gateway([], dead=["d0"], extra=extra) as (_client, state):
+        inst = state.instances.by_name["d0"]
+        assert inst.probe_failures == 1  # the start's probe
+        for _ in range(20):  # give a loop that probed at once every chance to
+            await asyncio.sleep(0.01)
+        assert inst.probe_failures == 1
+
+
 async def test_api_keys_and_rate_limit() -> None:
     extra = {"limits": {"rateLimit": {"requestsPerSecond": 0.01, "burst": 2}}}
     env = {"auth_token": "k1,k2"}

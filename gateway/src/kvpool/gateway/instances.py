@@ -181,7 +181,10 @@ async def probe_all(
 async def health_loop(
     client: httpx.AsyncClient, instances: InstanceSet, metrics: GatewayMetrics, interval_s: float
 ) -> None:
-    """Probe forever, every ``interval_s``."""
+    """Probe forever, every ``interval_s``, starting one interval from now: the gateway's
+    start has just probed every instance (``GatewayState.start``). Probing again at once
+    raced anything that read or set readiness right after the start (a second failed probe
+    of an instance unready at start is the two in a row that mark it not ready)."""
     while True:
-        await probe_all(client, instances, metrics, max(1.0, min(interval_s, 5.0)), 2)
         await asyncio.sleep(interval_s)
+        await probe_all(client, instances, metrics, max(1.0, min(interval_s, 5.0)), 2)
