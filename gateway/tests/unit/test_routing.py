@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.gateway.load import LoadTracker, PendingPrefixes, merge_pending
+from kvpool.gateway.load import LoadTracker
+from kvpool.gateway.pending import PendingPrefixes, merge_pending
 from kvpool.gateway.routing import (
     P2P_LOCATION,
     POLICIES,

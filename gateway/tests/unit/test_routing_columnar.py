@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.gateway.config import parse_config
-from kvpool.gateway.load import extend_hit, merge_pending
+from kvpool.gateway.pending import extend_hit, merge_pending
 from kvpool.gateway.routing import (
     DEFAULT_TIER_WEIGHTS,
     P2P_LOCATION,
@@ -36,7 +36,7 @@ from kvpool.gateway.routing import (
     weighted_hit_tokens,
 )
 from kvpool.gateway.selection import Prompt
-from kvpool.gateway.state import build_state
+from kvpool.gateway.state import GatewayState, build_state
 
 CHUNK = 256
 
@@ -188,9 +188,8 @@ def test_selector_candidates_equal_the_per_instance_construction(
         assert table.hit(i) == want, name
 
 
-def test_a_group_without_p2p_credits_no_peer_hits() -> None:
-    """P2PGroup spec.p2p false: members do not pull from each other, so only the holder is
-    credited its hit."""
+def _ready_state_without_p2p(names: list[str]) -> GatewayState:
+    """A gateway over one P2PGroup with ``p2p: false`` (no member pulls), every member ready."""
     raw = {
         "model": "m",
         "chunkSize": CHUNK,
@@ -199,15 +198,87 @@ def test_a_group_without_p2p_credits_no_peer_hits() -> None:
             {
                 "name": "fleet",
                 "p2p": False,
-                "instances": [{"name": n, "url": f"http://127.0.0.1:1/{n}"} for n in "abc"],
+                "instances": [{"name": n, "url": f"http://127.0.0.1:1/{n}"} for n in names],
             }
         ],
     }
     state = build_state(parse_config(raw))
     for inst in state.instances:
         inst.ready = True
+    return state
+
+
+def test_a_group_without_p2p_credits_no_peer_hits() -> None:
+    """P2PGroup spec.p2p false: members do not pull from each other, so only the holder is
+    credited its hit."""
+    state = _ready_state_without_p2p(list("abc"))
     hits = {"a": PrefixHit(4, {"LocalCPUBackend": 4})}
     table = state.selector.candidates(
         state.instances.peers(), Prompt(2048, tuple(range(8)), None), hits, set()
     )
     assert [table.hit(i) for i in range(3)] == [hits["a"], None, None]
+
+
+@given(
+    st.lists(  # per index instance: (name, chunks held, tier) — a name may have two ids
+        st.tuples(st.integers(0, 11), st.integers(1, 8), st.sampled_from(LOCATIONS[:3])),
+        max_size=30,
+    ),
+    st.lists(  # pending prompts: (name, chunks, how its request stands)
+        st.tuples(
+            st.integers(0, 11),
+            st.integers(1, 8),
+            st.sampled_from(["prefetch", "prefilling", "answered", "failed"]),
+        ),
+        max_size=12,
+    ),
+    st.floats(0.0, 4.0),
+)
+@settings(max_examples=300, deadline=None)
+def test_grouped_index_answers_give_the_per_name_candidates(
+    held: list[tuple[int, int, str]],
+    pending: list[tuple[int, int, str]],
+    now: float,
+) -> None:
+    """The replica's grouped answer (GroupedHits: bitmasks of instance ids, mapped to
+    positions with numpy, pending prefixes merged per group) gives every candidate the hit
+    the per-name answer gives it (the longest of a name's ids, extended by its live pending
+    chunks), and the kv-aware policy the same H_i."""
+    from kvpool.gateway.hitgroups import GroupedHits
+    from kvpool.protocol.index import ChunkIndex
+
+    names = [f"w{i}" for i in range(12)]
+    state = _ready_state_without_p2p(names)  # no pullers: the grouped path
+    sel = state.selector
+    sel.clock = lambda: now
+    hashes = tuple(range(500, 508))
+    index = ChunkIndex()
+    for k, (i, chunks, location) in enumerate(held):
+        fingerprint = "f0" if k % 3 else "f1"  # some names under two fingerprints
+        index.admit(f"{names[i]}~{fingerprint}", 0, location, hashes[:chunks])
+    for i, chunks, how in pending:
+        if how == "prefetch":
+            sel.pending.record(names[i], hashes[:chunks], 0.0)
+            continue
+        ticket = sel.load.start(names[i], 100, 0.0)
+        sel.pending.record(names[i], hashes[:chunks], 0.0, ticket)
+        if how == "answered":
+            sel.load.first_byte(ticket, 1.0)
+            sel.load.finish(ticket)
+        elif how == "failed":
+            sel.load.finish(ticket)
+    version, ids = index.instance_names()
+    grouped = GroupedHits(index.prefix_groups(hashes), ids, version)
+    prompt = Prompt(2048, hashes, None)
+    pool = state.instances.peers()
+    fast = sel.candidates(pool, prompt, grouped, set())
+    slow = sel.candidates(pool, prompt, grouped.by_name(), set())
+    assert list(fast.names) == list(slow.names)
+    for i in range(len(fast)):
+        a, b = fast.hit(i), slow.hit(i)
+        assert (a and (a.hit_chunks, dict(a.per_location))) == (
+            b and (b.hit_chunks, dict(b.per_location))
+        ), fast.names[i]
+    request = RouteRequest(2048, CHUNK, None)
+    policy = KvAwarePolicy()
+    assert policy.cached(request, fast).tolist() == policy.cached(request, slow).tolist()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.gateway.candidates import IntArray, PrefixHit
+from kvpool.gateway.pending import merge_pending
 from kvpool.protocol.domain import split_instance_id
 from kvpool.protocol.index import HitGroup
 
@@ -56,8 +57,8 @@ class GroupedHits:
         return [PrefixHit(g.hit_chunks, g.per_location) for g in self.groups]
 
     def by_name(self) -> dict[str, PrefixHit]:
-        """One hit per configured instance name (the longest of its ids'); equal hits are one
-        object, as :func:`kvpool.gateway.index_client.hits_by_name` hands them out."""
+        """One hit per configured instance name (the longest of its ids'; of two as long, the
+        later group's); a group's hit is one object for all its members."""
         out: dict[str, PrefixHit] = {}
         ids = self.ids
         for group, hit in zip(self.groups, self.hits(), strict=True):
@@ -67,53 +68,57 @@ class GroupedHits:
                 rest ^= low
                 name = name_of(ids[low.bit_length() - 1])
                 prev = out.get(name)
-                if prev is None or hit.hit_chunks > prev.hit_chunks:
-                    out[name] = hit
+                if prev is None or hit.hit_chunks >= prev.hit_chunks:
+                    out[name] = hit  # ties: the later group, as GroupPositions.shared orders
         return out
 
 
 class GroupPositions:
-    """Maps groups to the positions of one list of candidates (``names``), caching the map
-    from index instance ids to positions while the index's ids and version stay the same."""
+    """Maps bitmasks of instance ids to the positions of one list of candidates (``count`` of
+    them, ``position`` of a configured name), caching each id list's map while its version
+    stays (the index's instance ids; the pending prefixes' names)."""
 
-    def __init__(self, names: Sequence[str], position: Callable[[str], int | None]) -> None:
-        self._count = len(names)
+    def __init__(self, count: int, position: Callable[[str], int | None]) -> None:
+        self._count = count
         self._position = position
-        self._key: tuple[int, int] | None = None
-        self._ids: Sequence[str] | None = None  # kept so its id() is not reused while cached
-        self._map: IntArray = np.zeros(0, dtype=np.int64)
+        # id(ids) -> (version, ids kept so their id() is not reused while cached, map)
+        self._tables: dict[int, tuple[int, Sequence[str], IntArray]] = {}
 
-    def _positions_of_ids(self, grouped: GroupedHits) -> IntArray:
-        key = (id(grouped.ids), grouped.version)
-        if key != self._key or len(self._map) < len(grouped.ids):
-            ids = grouped.ids
-            width = (len(ids) + 7) // 8 * 8  # whole bytes of bitmask
-            out = np.full(width, -1, dtype=np.int64)
-            for inst, instance_id in enumerate(ids):
-                pos = self._position(name_of(instance_id))
-                if pos is not None:
-                    out[inst] = pos
-            self._map, self._key, self._ids = out, key, ids
-        return self._map
+    def table(self, ids: Sequence[str], version: int, resolve: Callable[[str], str]) -> IntArray:
+        """Position of each id's configured name (``resolve``), -1 where none, padded to whole
+        bytes of bitmask."""
+        cached = self._tables.get(id(ids))
+        if cached is not None and cached[0] == version and cached[1] is ids:
+            return cached[2]
+        out = np.full((len(ids) + 7) // 8 * 8, -1, dtype=np.int64)
+        for i, value in enumerate(ids):
+            pos = self._position(resolve(value))
+            if pos is not None:
+                out[i] = pos
+        if len(self._tables) >= 4:
+            self._tables.clear()
+        self._tables[id(ids)] = (version, ids, out)
+        return out
+
+    @staticmethod
+    def positions(table: IntArray, mask: int) -> IntArray:
+        """The positions of the ids set in ``mask`` (ids without a candidate left out)."""
+        bits = np.unpackbits(
+            np.frombuffer(mask.to_bytes(len(table) // 8, "little"), dtype=np.uint8),
+            bitorder="little",
+        )
+        found = table[bits.view(np.bool_)]
+        return found[found >= 0]
 
     def shared(self, grouped: GroupedHits) -> list[tuple[IntArray, PrefixHit]]:
         """(positions, hit) per group that has candidates, shortest hit first: where ids of
         one name fall in two groups the later (longer) entry is the one that counts, as
         :class:`kvpool.gateway.candidates.Candidates` reads them."""
-        table = self._positions_of_ids(grouped)
-        nbytes = len(table) // 8
-        out: list[tuple[IntArray, PrefixHit]] = []
-        order = sorted(range(len(grouped.groups)), key=lambda g: grouped.groups[g].hit_chunks)
+        table = self.table(grouped.ids, grouped.version, name_of)
         hits = grouped.hits()
-        for g in order:
-            mask = grouped.groups[g].instances
-            if mask.bit_length() > len(table):
-                continue  # ids newer than the table: cannot be (the key changes with them)
-            bits = np.unpackbits(
-                np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little"
-            )
-            positions = table[bits.view(np.bool_)]
-            positions = positions[positions >= 0]
+        out: list[tuple[IntArray, PrefixHit]] = []
+        for g in sorted(range(len(hits)), key=lambda g: hits[g].hit_chunks):
+            positions = self.positions(table, grouped.groups[g].instances)
             if len(positions):
                 out.append((positions, hits[g]))
         return out
@@ -124,3 +129,28 @@ class GroupPositions:
         for k, (positions, _) in enumerate(shared):
             owner[positions] = k
         return owner
+
+    def with_pending(
+        self,
+        shared: Sequence[tuple[IntArray, PrefixHit]],
+        ends: Sequence[tuple[int, int]],
+        table: IntArray,
+    ) -> list[tuple[IntArray, PrefixHit]]:
+        """Entries to append to ``shared`` for the pending prefixes that reach further than
+        what the index says a position holds (``ends``: (chunks, bitmask over ``table``'s ids)
+        as :meth:`kvpool.gateway.pending.PendingPrefixes.ends` gives them): one per distinct
+        (index hit, pending chunks), the hit :func:`~kvpool.gateway.pending.merge_pending`
+        makes of them."""
+        owner = self.owners(shared)
+        held = np.array([hit.hit_chunks for _, hit in shared] + [0], dtype=np.int64)  # [-1]: 0
+        out: list[tuple[IntArray, PrefixHit]] = []
+        for chunks, mask in ends:
+            positions = self.positions(table, mask)
+            own = owner[positions]
+            further = held[own] < chunks
+            positions, own = positions[further], own[further]
+            for k in np.unique(own).tolist():
+                merged = merge_pending(shared[k][1] if k >= 0 else None, chunks)
+                if merged is not None:
+                    out.append((positions[own == k], merged))
+        return out

@@ -1,26 +1,22 @@
-"""Per-instance load and optimistic prefix entries, as the router sees them. Pure: the
-caller passes the clock.
+"""Per-instance load, as the router sees it. Pure: the caller passes the clock.
 
-Why this module exists: the controller learns that an instance holds a prefix only after
-the instance has prefilled it and LMCache has reported the admit (hundreds of milliseconds
-or more). A burst of requests sharing one new prefix would, in that window, scatter over
-the pool and prefill it N times. :class:`PendingPrefixes` remembers for a short TTL which
-instance each just-routed prompt's chunk hashes went to, so the next request of the burst
-follows the first. :class:`LoadTracker` counts what is in flight per instance: requests,
-prefill tokens not yet answered by a first byte, and a recent-TTFT average.
+Why this module exists: the router weighs what an instance holds against how busy it is.
+:class:`LoadTracker` counts what is in flight per instance: requests, prefill tokens not yet
+answered by a first byte, and a recent-TTFT average; each admitted request holds a
+:class:`Ticket` that it hands back on its first byte and at its end (the optimistic prefix
+entries of :mod:`kvpool.gateway.pending` follow the same ticket).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.gateway.candidates import FloatArray, InstanceLoad, IntArray, PrefixHit
+from kvpool.gateway.candidates import FloatArray, InstanceLoad, IntArray
 
 TTFT_EWMA_ALPHA = 0.2
 
@@ -37,6 +33,8 @@ class Ticket:
     done: bool = False
     first_byte_at: float | None = None
     slot: int = -1
+    #: called on the first byte and at an end without one (set by who follows the request)
+    on_change: Callable[[Ticket], None] | None = None
 
 
 class LoadTracker:
@@ -97,6 +95,8 @@ class LoadTracker:
             return ttft
         ticket.first_byte = True
         ticket.first_byte_at = now
+        if ticket.on_change is not None:
+            ticket.on_change(ticket)
         slot = ticket.slot
         self._queued[slot] = max(0, int(self._queued[slot]) - ticket.prefill_tokens)
         prev = float(self._ttft[slot])
@@ -112,6 +112,8 @@ class LoadTracker:
         self._inflight[slot] = max(0, int(self._inflight[slot]) - 1)
         if not ticket.first_byte:
             self._queued[slot] = max(0, int(self._queued[slot]) - ticket.prefill_tokens)
+            if ticket.on_change is not None:
+                ticket.on_change(ticket)
 
     def forget(self, instance: str) -> None:
         slot = self._slot.get(instance)
@@ -119,121 +121,3 @@ class LoadTracker:
             self._inflight[slot] = 0
             self._queued[slot] = 0
             self._ttft[slot] = math.nan
-
-
-class PendingPrefixes:
-    """chunk hash → (instance, expiry) for prompts routed moments ago; bounded, TTL'd.
-
-    ``max_entries`` bounds memory (oldest dropped first). An entry recorded with the request's
-    load :class:`Ticket` lives while that request is still prefilling (its KV is not stored
-    yet, so no admit event can have reached the index: a prefill longer than the TTL must not
-    let the next same-prefix request go to a cold instance) and for ``ttl_s`` after its first
-    byte, by which time the controller's index has normally caught up; a request that ended
-    without an answer drops its entries. An entry without a ticket (a prefetch target) lives
-    ``ttl_s`` from when it was recorded. Entries are also indexed by hash, so the pending hits
-    of every instance are found from the prompt's first chunk, not by asking each instance.
-    """
-
-    def __init__(self, ttl_s: float = 2.0, max_entries: int = 200_000) -> None:
-        self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, int], tuple[float, Ticket | None]] = OrderedDict()
-        self._by_hash: dict[int, set[str]] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def record(
-        self, instance: str, hashes: Sequence[int], now: float, ticket: Ticket | None = None
-    ) -> None:
-        entry = (now + self.ttl_s, ticket)
-        for h in hashes:
-            key = (instance, h)
-            if self._entries.pop(key, None) is None:
-                self._by_hash.setdefault(h, set()).add(instance)
-            self._entries[key] = entry
-        self._expire(now)
-        while len(self._entries) > self.max_entries:
-            self._drop(self._entries.popitem(last=False)[0])
-
-    def _drop(self, key: tuple[str, int]) -> None:
-        instance, h = key
-        holders = self._by_hash.get(h)
-        if holders is not None:
-            holders.discard(instance)
-            if not holders:
-                del self._by_hash[h]
-
-    def _alive(self, entry: tuple[float, Ticket | None], now: float) -> bool:
-        expiry, ticket = entry
-        if ticket is None:
-            return expiry > now
-        if ticket.first_byte_at is not None:
-            return ticket.first_byte_at + self.ttl_s > now
-        return not ticket.done  # still prefilling; ended without an answer: nothing was stored
-
-    def _expire(self, now: float) -> None:
-        while self._entries:
-            if self._alive(next(iter(self._entries.values())), now):
-                break
-            self._drop(self._entries.popitem(last=False)[0])
-
-    def hit(self, instance: str, hashes: Sequence[int], now: float) -> int:
-        """Leading chunks of ``hashes`` recorded for ``instance`` and still alive."""
-        n = 0
-        for h in hashes:
-            entry = self._entries.get((instance, h))
-            if entry is None or not self._alive(entry, now):
-                break
-            n += 1
-        return n
-
-    def hits(self, hashes: Sequence[int], now: float) -> dict[str, int]:
-        """Every instance with a live pending prefix of ``hashes``: its leading chunks."""
-        if not hashes:
-            return {}
-        holders = self._by_hash.get(hashes[0])
-        if not holders:
-            return {}
-        # :meth:`hit` for each holder; the chunks of one recorded prompt share one entry, so
-        # an entry's liveness is checked once per run of it (a hot prefix has hundreds of holders)
-        entries = self._entries
-        ttl = self.ttl_s
-        out: dict[str, int] = {}
-        for inst in holders:
-            n = 0
-            last: tuple[float, Ticket | None] | None = None
-            for h in hashes:
-                entry = entries.get((inst, h))
-                if entry is None:
-                    break
-                if entry is not last:
-                    expiry, ticket = entry  # _alive, inlined
-                    if ticket is None:
-                        if expiry <= now:
-                            break
-                    elif ticket.first_byte_at is not None:
-                        if ticket.first_byte_at + ttl <= now:
-                            break
-                    elif ticket.done:
-                        break
-                    last = entry
-                n += 1
-            if n:
-                out[inst] = n
-        return out
-
-
-def extend_hit(indexed: PrefixHit | None, chunks: int, location: str) -> PrefixHit | None:
-    """The index's hit, extended to ``chunks`` leading chunks held at ``location``."""
-    have = indexed.hit_chunks if indexed is not None else 0
-    if chunks <= have:
-        return indexed
-    per_location = dict(indexed.per_location) if indexed is not None else {}
-    per_location[location] = chunks - have + per_location.get(location, 0)
-    return PrefixHit(chunks, per_location)
-
-
-def merge_pending(indexed: PrefixHit | None, pending_chunks: int) -> PrefixHit | None:
-    """The index's hit, extended by chunks routed here moments ago (tier "pending")."""
-    return extend_hit(indexed, pending_chunks, "pending")

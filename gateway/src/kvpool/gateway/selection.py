@@ -21,8 +21,9 @@ from kvpool.gateway.errors import upstream_error
 from kvpool.gateway.hitgroups import GroupedHits, GroupPositions
 from kvpool.gateway.index_client import IndexClient
 from kvpool.gateway.instances import Instance, InstanceSet
-from kvpool.gateway.load import LoadTracker, PendingPrefixes, extend_hit, merge_pending
+from kvpool.gateway.load import LoadTracker
 from kvpool.gateway.metrics import GatewayMetrics
+from kvpool.gateway.pending import PendingPrefixes, extend_hit, merge_pending
 from kvpool.gateway.proxy import Attempt
 from kvpool.gateway.routing import (
     P2P_LOCATION,
@@ -67,7 +68,7 @@ class _PoolColumns:
     def grouped(self) -> GroupPositions:
         """The index's groups mapped to these positions."""
         if self._grouped is None:
-            self._grouped = GroupPositions(self.names, self.position().get)
+            self._grouped = GroupPositions(len(self.names), self.position().get)
         return self._grouped
 
     def groups(self) -> np.ndarray[Any, np.dtype[Any]]:
@@ -119,24 +120,17 @@ class Selector:
             avail = thawed or avail
         static = self._static(avail)
         inflight, queued, ttft = self.load.columns(static.slots)
-        pending = self.pending.hits(prompt.hashes, now)
         if isinstance(hits, GroupedHits) and not self._pullers():
             # no P2P group: every holder's hit is its own, so groups stay groups
-            shared = static.grouped().shared(hits)
-            sparse: dict[int, PrefixHit] = {}
-            if pending and shared:
-                owner = static.grouped().owners(shared)
-                held = [hit for _, hit in shared]
-                for name, chunks in pending.items():
-                    i = static.position().get(name)
-                    if i is not None:
-                        k = int(owner[i])
-                        merged = merge_pending(held[k] if k >= 0 else None, chunks)
-                        if merged is not None:
-                            sparse[i] = merged
-            elif pending:
-                sparse = self._sparse(static, {}, pending, {})
-            return Candidates(static.names, inflight, queued, ttft, sparse, shared)
+            grouped = static.grouped()
+            shared = grouped.shared(hits) if hits else []
+            ends = self.pending.ends(prompt.hashes, now)
+            if ends:
+                version, pending_names = self.pending.names()
+                table = grouped.table(pending_names, version, str)
+                shared += grouped.with_pending(shared, ends, table)
+            return Candidates(static.names, inflight, queued, ttft, {}, shared)
+        pending = self.pending.hits(prompt.hashes, now)
         by_name = (hits.by_name() if isinstance(hits, GroupedHits) else hits) or {}
         group_best = self._group_best(by_name)
         sparse = self._sparse(static, by_name, pending, group_best)

@@ -23,11 +23,12 @@ from kvpool.gateway.admission import Admission
 from kvpool.gateway.config import GatewayConfig, GatewayEnv
 from kvpool.gateway.index_client import IndexClient
 from kvpool.gateway.instances import InstanceSet, health_loop, probe_all
-from kvpool.gateway.load import LoadTracker, PendingPrefixes
+from kvpool.gateway.load import LoadTracker
 from kvpool.gateway.memory import SessionMemory
 from kvpool.gateway.metrics import GatewayMetrics
 from kvpool.gateway.pd import PDCoordinator
 from kvpool.gateway.pd_flow import PDFlow
+from kvpool.gateway.pending import PendingPrefixes
 from kvpool.gateway.prompts import Encoder, encoder_for
 from kvpool.gateway.proxy import Proxy
 from kvpool.gateway.reliability import BreakerState, KeyedBuckets

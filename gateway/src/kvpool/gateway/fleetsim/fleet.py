@@ -26,8 +26,9 @@ from kvpool.gateway.fleetsim.keys import chunk_keys
 from kvpool.gateway.fleetsim.stats import RequestResult
 from kvpool.gateway.hitgroups import GroupedHits
 from kvpool.gateway.instances import InstanceSet
-from kvpool.gateway.load import LoadTracker, PendingPrefixes, Ticket
+from kvpool.gateway.load import LoadTracker, Ticket
 from kvpool.gateway.metrics import GatewayMetrics
+from kvpool.gateway.pending import PendingPrefixes
 from kvpool.gateway.routing import Decision, Guards, PolicySettings, Router, make_policy
 from kvpool.gateway.selection import Prompt, Selector
 from kvpool.gateway.traces.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
