@@ -1,5 +1,6 @@
 """Operations routes: ``/healthz`` (alive), ``/readyz`` (can serve; degraded without the
-controller), ``/metrics`` (Prometheus). Never behind auth: probes and scrapers have no key.
+controller; 503 ``draining`` after SIGTERM), ``/metrics`` (Prometheus). Never behind auth:
+probes and scrapers have no key.
 
 Why this module exists: the kubelet's probes and Prometheus need answers that say exactly
 what is wrong: no ready instance (503: route nothing here) versus controller down (200,
@@ -35,8 +36,10 @@ async def readyz(state: StateDep) -> JSONResponse:
         }
         for i in state.instances
     }
-    ready = state.instances.any_ready()
-    if not ready:
+    ready = state.instances.any_ready() and not state.drain.draining
+    if state.drain.draining:  # SIGTERM: load balancers stop sending here first (see drain)
+        status = "draining"
+    elif not ready:
         status = "unavailable"
     elif not state.index.usable:
         status = "degraded"

@@ -14,7 +14,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from kvpool.gateway import api_memory, api_openai, api_ops
-from kvpool.gateway.errors import install_handlers
+from kvpool.gateway.drain import DrainGuard
+from kvpool.gateway.errors import ENDPOINTS, install_handlers
 from kvpool.gateway.state import GatewayState
 
 
@@ -38,6 +39,13 @@ def build_app(state: GatewayState) -> FastAPI:
     install_handlers(app, count)
     # the completion routes, answered before the app's own routing (see api_openai)
     app.add_middleware(api_openai.CompletionRoutes, state=state, on_error=count)
+
+    def refused(path: str) -> None:
+        state.metrics.rejections.labels("draining").inc()
+        count(ENDPOINTS.get(path, path), 503)
+
+    # outermost: while draining (SIGTERM), nothing new reaches the routes (see drain)
+    app.add_middleware(DrainGuard, drain=state.drain, on_refused=refused)
     app.include_router(api_ops.router)
     app.include_router(api_openai.router)
     app.include_router(api_memory.router)

@@ -2,10 +2,11 @@
 
 Why this module exists: the operator renders exactly ``kvpool-gateway serve --host H --port P
 --config /etc/kvpool/gateway/gateway.yaml`` (operator/src/kvpool/operator/render/pool_objects.py)
-with ``KVPOOL_GATEWAY_AUTH_TOKEN`` and the domain's ``PYTHONHASHSEED`` in the environment; this
-parser accepts exactly that, refuses a bad config with a message naming the key (exit 2, no
-traceback), and runs uvicorn with uvloop and httptools — in one process, or with
-``--workers N`` in N processes sharing the port (``processes``).
+with ``KVPOOL_GATEWAY_AUTH_TOKEN_FILE`` (the mounted key Secret), ``POD_IP`` and the domain's
+``PYTHONHASHSEED`` in the environment; this parser accepts exactly that, refuses a bad config
+with a message naming the key (exit 2, no traceback), and runs uvicorn with uvloop and
+httptools, draining on SIGTERM (``drain``) — in one process, or with ``--workers N`` in N
+processes sharing the port (``processes``).
 
     kvpool-gateway serve --config gateway.yaml [--host 127.0.0.1] [--port 8000] [--workers N]
 """
@@ -25,6 +26,7 @@ import uvicorn
 
 from kvpool.gateway.app import build_app
 from kvpool.gateway.config import ConfigError, GatewayConfig, GatewayEnv, load_config
+from kvpool.gateway.drain import DrainingServer
 from kvpool.gateway.processes import supervise, workers_for
 from kvpool.gateway.state import build_state
 
@@ -116,7 +118,7 @@ def _serve_socket(config: GatewayConfig, options: ServeOptions, sock: socket.soc
         options.port,
         "API keys required" if state.api_keys else "no auth",
     )
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=options.host,
@@ -125,8 +127,11 @@ def _serve_socket(config: GatewayConfig, options: ServeOptions, sock: socket.soc
             http="httptools",
             log_level=options.log_level,
             access_log=False,
-            timeout_graceful_shutdown=10,
-        )
+            # SIGTERM drains first (limits.drainTimeoutSeconds); what is left after the drain
+            # (or after a second signal) gets this long, then is cut
+            timeout_graceful_shutdown=2,
+        ),
+        state.drain,
     )
     server.run(sockets=[sock] if sock is not None else None)
 

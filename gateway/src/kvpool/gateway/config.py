@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic.alias_generators import to_camel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvpool.gateway.apikeys import KeyFileError, parse_keys, read_keys
 from kvpool.protocol.hashing import HashAlgorithm, HashConfig, HashConfigError
 from kvpool.protocol.policies import RoutingPolicyName
 
@@ -101,6 +102,19 @@ class Limits(_Model):
     pd_transfer_timeout_seconds: float = Field(30.0, gt=0)
     rate_limit: RateLimit | None = None
     sessions: int = Field(65_536, ge=1, description="session ids remembered (LRU)")
+    drain_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="after SIGTERM: the most the gateway waits for requests and streams in "
+        "flight before it exits (the operator renders it from spec.gateway.drainTimeoutSeconds "
+        "and gives the pod that much more grace)",
+    )
+    drain_min_seconds: float = Field(
+        2.0,
+        ge=0,
+        description="after SIGTERM: the least the gateway keeps answering 503 before it closes "
+        "its port, while load balancers stop sending to it",
+    )
 
 
 class GatewayConfig(_Model):
@@ -151,13 +165,35 @@ class GatewayEnv(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVPOOL_GATEWAY_", extra="ignore")
 
     auth_token: SecretStr | None = None
+    auth_token_file: Path | None = Field(
+        None,
+        description="a file of API keys (the operator mounts the authSecretRef Secret there); "
+        "read again whenever it changes (kvpool.gateway.apikeys)",
+    )
     hash_seed: str | None = Field(None, validation_alias="PYTHONHASHSEED")
+    pod_ip: str | None = Field(
+        None,
+        validation_alias="POD_IP",
+        description="this replica's address (the downward API): PD transfer notifications "
+        "that reach another replica are relayed here (kvpool.gateway.pd)",
+    )
 
     def api_keys(self) -> frozenset[str]:
+        """The keys requests must carry (empty: no auth). From the key file when one is set
+        (a bad one is a :class:`ConfigError` naming it), else the variable."""
+        if self.auth_token_file is not None:
+            if self.auth_token is not None:
+                raise ConfigError(
+                    "KVPOOL_GATEWAY_AUTH_TOKEN and KVPOOL_GATEWAY_AUTH_TOKEN_FILE are both set: "
+                    "set one (the file is read again when it changes)"
+                )
+            try:
+                return read_keys(self.auth_token_file)
+            except KeyFileError as exc:
+                raise ConfigError(f"KVPOOL_GATEWAY_AUTH_TOKEN_FILE: {exc}") from None
         if self.auth_token is None:
             return frozenset()
-        raw = self.auth_token.get_secret_value().replace("\n", ",")
-        return frozenset(k.strip() for k in raw.split(",") if k.strip())
+        return parse_keys(self.auth_token.get_secret_value())
 
 
 def _where(loc: tuple[Any, ...]) -> str:

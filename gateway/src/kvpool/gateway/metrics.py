@@ -100,6 +100,19 @@ class GatewayMetrics:
             ["pair", "outcome"],
             registry=r,
         )
+        self.pd_relays = Counter(
+            "kvpool_gateway_pd_notifications_relayed",
+            "PD transfer notifications that reached this replica for another one, by outcome "
+            "(relayed, dropped)",
+            ["outcome"],
+            registry=r,
+        )
+        self.api_key_reloads = Counter(
+            "kvpool_gateway_api_key_reloads",
+            "Changes of the API key file, by outcome (loaded; invalid: the old keys kept)",
+            ["outcome"],
+            registry=r,
+        )
         for metric in list(vars(self).values()):
             if isinstance(metric, Counter | Gauge | Histogram) and metric._labelnames:
                 _memoize_labels(metric)

@@ -16,6 +16,12 @@ worker-side contract is /tmp/kvpool-team/pd-contract.md (mirrors LMCache's examp
    chunk that never landed is recomputed by the decoder, so output stays correct);
 3. decode: ``POST /v1/completions`` with ``prompt + [first_tok]`` and ``max_tokens - 1``.
 
+With several gateway replicas, LMCache's sender notifies the pair's proxy port through the
+gateway's Service, so a notification may reach a replica other than the one that waits for
+it. Each req_id therefore names its owner (``<uuid>@<pod ip>:<proxy port>``, from ``POD_IP``)
+and a replica that receives another's notification relays it there (:func:`owner_of`); a
+replica without ``POD_IP`` (run by hand, alone) names no owner and keeps every notification.
+
 A transfer the proxy will not decode (the first token ended the answer, the client left, the
 transfer landed after the decoder already recomputed) is released: once it has landed (never
 before: the sender may still be writing into the pages), ``POST`` of the prompt to the
@@ -48,6 +54,8 @@ from kvpool.protocol.pd import RELEASE_PATH, release_body
 logger = logging.getLogger(__name__)
 
 MAX_TRACKED = 65_536
+MAX_RELAY_PEERS = 16  # replicas a notification is relayed to, each one PUSH socket (LRU)
+RELAY_HWM = 1000  # notifications queued for one replica (not yet connected, or gone) at most
 MAX_RELEASES = 4096  # releases waiting for their transfer at once; beyond, the decoder's TTL
 RELEASE_TIMEOUT_S = 5.0
 #: ``Upstream.post_json``: (url, body, timeout) → (status, JSON, text).
@@ -70,6 +78,23 @@ def decode_notification(frame: bytes) -> str | None:
         return _NOTIF.decode(frame).req_id
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+
+
+def owner_address(host: str, port: int) -> str:
+    """``host:port`` as a ZMQ tcp endpoint takes it (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def new_req_id(owner: str | None) -> str:
+    """A fresh transfer id, naming the replica that waits for it when ``owner`` is given."""
+    rid = uuid.uuid4().hex
+    return f"{rid}@{owner}" if owner else rid
+
+
+def owner_of(req_id: str) -> str | None:
+    """The ``host:port`` of the replica a transfer's notification belongs to, if it names one."""
+    _, at, owner = req_id.partition("@")
+    return owner if at and owner else None
 
 
 class TransferWaits:
@@ -148,8 +173,10 @@ class PDCoordinator:
         bind_host: str,
         metrics: GatewayMetrics,
         transfer_timeout_s: float,
+        own_host: str | None = None,
     ) -> None:
         self.pairs = {p.name: p for p in pairs}
+        self.own_host = own_host
         self.instances = instances
         self.bind_host = bind_host
         self.metrics = metrics
@@ -161,6 +188,12 @@ class PDCoordinator:
         self._sockets: list[zmq.asyncio.Socket] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._releases: set[asyncio.Task[None]] = set()
+        self._relay_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._relays: OrderedDict[str, zmq.Socket[bytes]] = OrderedDict()
+
+    def owner(self, port: int) -> str | None:
+        """This replica's address for notifications arriving on ``port`` (None: alone)."""
+        return owner_address(self.own_host, port) if self.own_host else None
 
     async def start(self) -> None:
         """Bind every pair's PULL socket before any prefill can be sent."""
@@ -191,12 +224,37 @@ class PDCoordinator:
             if req_id is None:
                 logger.warning("PD proxy port %d: dropped a message that is not ProxyNotif", port)
                 continue
-            self.waits.notified(req_id)
+            owner = owner_of(req_id)
+            if owner is None or owner == self.owner(port):
+                self.waits.notified(req_id)
+            else:
+                self._relay(owner, frame)
+
+    def _relay(self, owner: str, frame: bytes) -> None:
+        """Pass another replica's notification on to it (never blocks: dropped when its queue
+        is full, and that replica's wait then ends at its timeout)."""
+        sock = self._relays.pop(owner, None)
+        if sock is None:
+            if self._relay_ctx is None:
+                self._relay_ctx = zmq.Context()
+            sock = self._relay_ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, RELAY_HWM)
+            sock.connect(f"tcp://{owner}")
+        self._relays[owner] = sock
+        while len(self._relays) > MAX_RELAY_PEERS:
+            self._relays.popitem(last=False)[1].close(linger=0)
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.metrics.pd_relays.labels("dropped").inc()
+            return
+        self.metrics.pd_relays.labels("relayed").inc()
 
     def expect(self, pair: str, target: DecodeTarget, tokens: list[int]) -> Transfer:
         """A new transfer of ``tokens`` to ``target``, waited for from now on (before its
         prefill is sent); ended by :meth:`wait_transfer`, :meth:`release` or :meth:`forget`."""
-        req_id = uuid.uuid4().hex
+        req_id = new_req_id(self.owner(self.pairs[pair].proxy_port))
         landed = self.waits.expect(req_id, len(target.init_ports))
         return Transfer(pair, target.name, req_id, tokens, landed)
 
@@ -264,11 +322,14 @@ class PDCoordinator:
         for task in [*self._tasks, *self._releases]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for sock in self._sockets:
+        for sock in [*self._sockets, *self._relays.values()]:
             sock.close(linger=0)
+        if self._relay_ctx is not None:
+            self._relay_ctx.destroy(linger=0)
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
         self._tasks.clear()
         self._releases.clear()
         self._sockets.clear()
-        self._ctx = None
+        self._relays.clear()
+        self._ctx = self._relay_ctx = None

@@ -20,7 +20,10 @@ from typing import Any
 import httpx
 
 from kvpool.gateway.admission import Admission
+from kvpool.gateway.apikeys import KeyReloader
 from kvpool.gateway.config import GatewayConfig, GatewayEnv
+from kvpool.gateway.drain import Drain
+from kvpool.gateway.filewatch import FileWatch, watch
 from kvpool.gateway.index_client import IndexClient
 from kvpool.gateway.instances import InstanceSet, health_loop, probe_all
 from kvpool.gateway.load import LoadTracker
@@ -64,6 +67,9 @@ class GatewayState:
     pd_flow: PDFlow
     api_keys: frozenset[str]
     buckets: KeyedBuckets | None
+    drain: Drain
+    #: seconds between looks at the API key file (``KVPOOL_GATEWAY_AUTH_TOKEN_FILE``)
+    key_poll_s: float = 2.0
     started_at: float = field(default_factory=time.monotonic)
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
@@ -82,6 +88,7 @@ class GatewayState:
             )
         )
         self._tasks.append(asyncio.create_task(self.index.run(), name="index"))
+        self._watch_keys()
         await self.pd.start()
         logger.info(
             "gateway started: %d instances (%d ready), policy %s, index %s",
@@ -90,6 +97,23 @@ class GatewayState:
             self.config.routing.policy,
             "stream" if self.index.streaming else "http",
         )
+
+    def _watch_keys(self) -> None:
+        """Reload the API keys whenever their file changes (``apikeys``)."""
+        path = self.env.auth_token_file
+        if path is None:
+            return
+        watcher = FileWatch(path)  # before reading again: a change from now on is seen
+
+        def apply(keys: frozenset[str]) -> None:
+            self.api_keys = keys
+
+        reloader = KeyReloader(
+            path, self.api_keys, apply, lambda o: self.metrics.api_key_reloads.labels(o).inc()
+        )
+        reloader.reload()  # what changed since build_state read it
+        task = watch(watcher, self.key_poll_s, reloader.reload)
+        self._tasks.append(asyncio.create_task(task, name="api-keys"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -161,7 +185,12 @@ def build_state(
     rate = limits.rate_limit
     encoder = encoder or encoder_for(config, instances, upstream)
     pd = PDCoordinator(
-        config.pd_pairs, instances, pd_bind_host, metrics, limits.pd_transfer_timeout_seconds
+        config.pd_pairs,
+        instances,
+        pd_bind_host,
+        metrics,
+        limits.pd_transfer_timeout_seconds,
+        env.pod_ip,
     )
     return GatewayState(
         config=config,
@@ -182,4 +211,5 @@ def build_state(
         pd_flow=PDFlow(selector, proxy, pd, encoder.chat_stop_token_ids),
         api_keys=env.api_keys(),
         buckets=KeyedBuckets(rate.requests_per_second, rate.burst) if rate else None,
+        drain=Drain(limits.drain_timeout_seconds, limits.drain_min_seconds),
     )
