@@ -74,7 +74,10 @@ def wait_until(pred: Any, timeout: float = 15.0, every: float = 0.05, what: str 
 class ControllerProc:
     """Our controller in a subprocess; ``restart`` reuses the same ports."""
 
-    def __init__(self, extra: list[str], tmp: Path, heartbeat: bool = True) -> None:
+    def __init__(
+        self, extra: list[str], tmp: Path, heartbeat: bool = True, env: dict[str, str] | None = None
+    ) -> None:
+        self.env = {**ENV, **(env or {})}
         self.ports = {"pull": free_port(), "reply": free_port()}
         if heartbeat:
             self.ports["heartbeat"] = free_port()
@@ -90,7 +93,7 @@ class ControllerProc:
             "--port", str(self.http_port), "--monitor-ports", json.dumps(self.ports), *self.extra,
         ]  # fmt: skip
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         wait_until(self._ready, 20.0, what=f"controller on {self.url} (log {self.log})")
         return self
 
@@ -135,8 +138,10 @@ class ControllerProc:
 def controllers(tmp_path: Path) -> Iterator[Any]:
     started: list[ControllerProc] = []
 
-    def make(*extra: str, heartbeat: bool = True) -> ControllerProc:
-        c = ControllerProc(list(extra), tmp_path, heartbeat)
+    def make(
+        *extra: str, heartbeat: bool = True, env: dict[str, str] | None = None
+    ) -> ControllerProc:
+        c = ControllerProc(list(extra), tmp_path, heartbeat, env)
         started.append(c)
         return c.start()
 

@@ -8,12 +8,15 @@ the engine object the worker holds (see ``lmcache_side.py``).
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import httpx
 from conftest import ENV, free_port, wait_until
 from lmcache_side import LMCacheSide
 
@@ -108,3 +111,54 @@ def test_lmcache_controller_benchmark_runs_with_zero_errors(controllers: Any) ->
     total = int(re.search(r"Total Messages: (\d+)", out.stdout).group(1))  # type: ignore[union-attr]
     assert total > 1000
     assert ctl.metric('kvpool_controller_messages_total{type="BatchedP2PLookupMsg"}') > 0
+
+
+def test_allowlist_and_token_against_stock_workers(controllers: Any, tmp_path: Path) -> None:
+    """The controller of a rendered domain: only the ids in its --instances-file may register,
+    and its mutating routes need the API token (from the env, as the operator's Secret gives
+    it). A stock LMCache worker with another id is refused, counted (metrics and /v1/stats) and
+    logged by id, and stays out: LMCache 0.5.6 never registers again after a refusal (its
+    heartbeat socket comes with the registration's reply), which is why the operator allows a
+    new id before it creates the pod. Allowed with the token (PUT /v1/instances, as the
+    operator does), a worker started afterwards registers; /clear wants the token."""
+    token = "t0k3n-" + "x" * 40
+    allowed = tmp_path / "instances.json"
+    allowed.write_text(json.dumps({"instance_ids": ["a~0123456789ab"]}))
+    ctl = controllers(
+        "--fingerprint", "0123456789ab", "--instances-file", str(allowed),
+        env={"KVPOOL_CONTROLLER_API_TOKEN": token},
+    )  # fmt: skip
+    auth = {"Authorization": f"Bearer {token}"}
+
+    def registered() -> list[str]:
+        infos = ctl.post("/query_worker_info", {"instance_id": "all"})["worker_infos"]
+        return [i["instance_id"] for i in infos]
+
+    b = LMCacheSide("b~0123456789ab", ctl.ports, free_port())
+    c: LMCacheSide | None = None
+    try:
+        refusals = 'kvpool_controller_refusals_total{reason="unknown_instance"}'
+        wait_until(lambda: ctl.metric(refusals) >= 1, what="refusal of an unknown id")
+        stats = httpx.get(f"{ctl.url}/v1/stats", timeout=5).json()
+        assert stats["refusals"]["unknown_instance"] >= 1
+        assert "not one the operator rendered" in stats["refused"]["b~0123456789ab"]
+        assert "refusing instance b~0123456789ab" in ctl.log.read_text()
+        assert registered() == []
+
+        body = {"instance_ids": ["a~0123456789ab", "c~0123456789ab"]}
+        refused = httpx.put(f"{ctl.url}/v1/instances", json=body, timeout=5)
+        assert refused.status_code == 401 and "Authorization: Bearer" in refused.text
+        r = httpx.put(f"{ctl.url}/v1/instances", json=body, headers=auth, timeout=5)
+        assert r.json() == {**body, "source": "operator"}
+        c = LMCacheSide("c~0123456789ab", ctl.ports, free_port())
+        wait_until(lambda: registered() == ["c~0123456789ab"], what="registration of c")
+        clear = {"instance_id": "c~0123456789ab", "location": "LocalCPUBackend"}
+        assert httpx.post(f"{ctl.url}/clear", json=clear, timeout=10).status_code == 401
+        done = httpx.post(f"{ctl.url}/clear", json=clear, headers=auth, timeout=10)
+        assert done.status_code == 200, done.text
+        assert registered() == ["c~0123456789ab"]  # b never came back
+    finally:
+        b.close()
+        if c is not None:
+            c.close()
+    assert token not in ctl.log.read_text()

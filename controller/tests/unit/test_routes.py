@@ -110,7 +110,7 @@ async def test_stats_names_registered_instances_tiers_and_refusals() -> None:
     assert body["instances"] == {"a~0123456789ab": 2}
     assert body["chunks"] == 3
     assert body["chunk_locations"] == {"LocalCPUBackend": 4, "LocalDiskBackend": 1}
-    assert body["refusals"] == {"fingerprint": 1}
+    assert body["refusals"] == {"fingerprint": 1, "unknown_instance": 0}
     assert list(body["refused"]) == ["b~ffffffffffff"]
     assert "0123456789ab" in body["refused"]["b~ffffffffffff"]
     await server.close()

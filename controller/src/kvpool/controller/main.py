@@ -23,6 +23,7 @@ import uvicorn
 import zmq
 from pydantic import ValidationError
 
+from kvpool.controller.allowlist import AllowlistError
 from kvpool.controller.api import create_app
 from kvpool.controller.server import ControllerServer
 from kvpool.controller.settings import ControllerSettings
@@ -76,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "redis", "full-sync", "none"],
         help="index recovery after a restart (default auto: redis if --redis-url, else "
         "full-sync; none: no recovery)",
+    )
+    ap.add_argument(
+        "--instances-file",
+        help="JSON or YAML {instance_ids: [...]}: only these instance ids may register (the "
+        "operator renders it; re-read when it changes); the API token comes from the env "
+        "KVPOOL_CONTROLLER_API_TOKEN only",
     )
     ap.add_argument("--log-level", help="DEBUG, INFO, WARNING...")
     return ap
@@ -157,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     try:
         asyncio.run(run(settings))
+    except AllowlistError as exc:
+        print(f"kvpool-controller: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     except zmq.ZMQError as exc:
         print(
             f"kvpool-controller: cannot bind the ZMQ sockets on {settings.host} ({exc}); "

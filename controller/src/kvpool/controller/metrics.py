@@ -41,7 +41,9 @@ LOOKUP_BUCKETS = (
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LAG_TICK_S = 0.1
 #: Refusal reasons the controller has (service.py), exported before the first one happens.
-REFUSAL_REASONS = ("fingerprint",)
+#: fingerprint: another domain's seed, chunk size, model or hash; unknown_instance: an id the
+#: operator did not render for the domain (the allowlist).
+REFUSAL_REASONS = ("fingerprint", "unknown_instance")
 
 
 class Metrics:
@@ -52,6 +54,7 @@ class Metrics:
         self.messages: Counter[str] = Counter()  # by message type
         self.bad_input: Counter[str] = Counter()  # by kind
         self.refusals: Counter[str] = Counter(dict.fromkeys(REFUSAL_REASONS, 0))
+        self.unauthorized: Counter[str] = Counter()  # 401s by route (auth.py)
         self.purges = 0
         self.full_syncs: Counter[str] = Counter()  # by outcome
         self.persistence_errors = 0
@@ -107,7 +110,16 @@ class _Collector:
             m.bad_input,
         )
         yield _labelled_counter(
-            "refusals", "Registrations refused, by reason (e.g. fingerprint)", "reason", m.refusals
+            "refusals",
+            "Registrations refused, by reason (fingerprint, unknown_instance)",
+            "reason",
+            m.refusals,
+        )
+        yield _labelled_counter(
+            "unauthorized",
+            "HTTP calls of mutating routes refused for a missing or wrong API token, by path",
+            "path",
+            m.unauthorized,
         )
         yield _labelled_counter(
             "full_syncs", "Full-sync sessions, by outcome", "outcome", m.full_syncs

@@ -214,7 +214,9 @@ def _worker_infos(r: p.QueryWorkerInfoRetMsg) -> dict[str, Any]:
 class Operation:
     """One orchestration request, end to end: ``msg`` is answered by ``run``; over HTTP,
     ``POST path`` with a ``body`` becomes ``build(body)``, and a ``reply`` struct becomes
-    ``answer(reply)``; ``tokens`` operations are refused while the domain cannot hash tokens."""
+    ``answer(reply)``; ``tokens`` operations are refused while the domain cannot hash tokens;
+    ``mutates``: it changes what workers hold (clear, pin, compress, decompress, move), so its
+    route needs the API token and, with a token configured, ZMQ may not ask for it."""
 
     msg: type
     run: Run
@@ -224,6 +226,7 @@ class Operation:
     reply: type
     answer: Callable[[Any], dict[str, Any]]
     tokens: bool = False
+    mutates: bool = False
 
 
 def _codec_operation(name: str, msg: type, worker_msg: type, reply: type) -> Operation:
@@ -243,6 +246,7 @@ def _codec_operation(name: str, msg: type, worker_msg: type, reply: type) -> Ope
         lambda b: msg(_new_id(title), b.instance_id, b.method, b.location, b.tokens),
         reply,
         _tokens_done,
+        mutates=True,
     )
 
 
@@ -278,6 +282,7 @@ OPERATIONS: tuple[Operation, ...] = (
         lambda b: p.ClearMsg(_new_id("Clear"), b.instance_id, b.location),
         p.ClearRetMsg,
         _tokens_done,
+        mutates=True,
     ),
     Operation(
         p.PinMsg,
@@ -291,6 +296,7 @@ OPERATIONS: tuple[Operation, ...] = (
         lambda b: p.PinMsg(_new_id("Pin"), b.instance_id, b.location, b.tokens),
         p.PinRetMsg,
         _tokens_done,
+        mutates=True,
     ),
     _codec_operation("compress", p.CompressMsg, p.CompressWorkerMsg, p.CompressRetMsg),
     _codec_operation("decompress", p.DecompressMsg, p.DecompressWorkerMsg, p.DecompressRetMsg),
@@ -304,6 +310,7 @@ OPERATIONS: tuple[Operation, ...] = (
         ),
         p.MoveRetMsg,
         _tokens_done,
+        mutates=True,
     ),
     Operation(
         p.HealthMsg,
@@ -339,6 +346,21 @@ OPERATIONS: tuple[Operation, ...] = (
 )
 
 _BY_MSG: dict[type, Operation] = {op.msg: op for op in OPERATIONS}
+
+
+async def handle_zmq_orchestration(svc: ControllerService, msg: Any) -> Any:
+    """An orchestration message that came over ZMQ (no token there): with an API token
+    configured, a mutating one is refused (it would bypass the HTTP routes' token)."""
+    op = _BY_MSG.get(type(msg))
+    if op is not None and op.mutates and svc.settings.api_token is not None:
+        name = type(msg).__name__
+        svc.metrics.messages[name] += 1
+        svc.bad("unauthorized_orchestration", f"{name} over ZMQ (no token there)")
+        return p.ErrorMsg(
+            f"{name} over ZMQ is refused: this controller requires its API token; use POST "
+            f"{op.path} with 'Authorization: Bearer <token>'"
+        )
+    return await handle_orchestration(svc, msg)
 
 
 async def handle_orchestration(svc: ControllerService, msg: Any) -> Any:

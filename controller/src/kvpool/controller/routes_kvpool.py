@@ -1,20 +1,23 @@
-"""kvpool's own HTTP routes: the gateway's prefix lookup, the operator's deregistration and
-the figures it shows in the pool's status.
+"""kvpool's own HTTP routes: the gateway's prefix lookup, the operator's deregistration, the
+instance allowlist it keeps, and the figures it shows in the pool's status.
 
 Why a router of its own: these are kvpool's API (LMCache has no such endpoints), used by the
-gateway on routing and by the operator (its finalizer, its live status figures); mounted alone
-on a bare app they are tested without the rest of the API.
+gateway on routing and by the operator (its finalizer, the allowlist, its live status
+figures); mounted alone on a bare app they are tested without the rest of the API. The two
+that change state (deregister, replacing the allowlist) need the API token (auth.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, Field, model_validator
 
+from kvpool.controller.auth import require_token
 from kvpool.controller.routes_lmcache import server_of
 from kvpool.protocol.http_api import (
+    INSTANCES_PATH,
     PREFIX_LOOKUP_ONE_OF,
     PREFIX_LOOKUP_PATH,
     STATS_PATH,
@@ -25,6 +28,12 @@ from kvpool.protocol.http_api import (
 
 class DeregisterRequest(BaseModel):
     instance_id: str = Field(min_length=1, description="lmcache_instance_id (<instance>~<fp>)")
+
+
+class InstancesRequest(BaseModel):
+    """The body of ``PUT /v1/instances`` (kvpool.protocol.http_api.instances_body)."""
+
+    instance_ids: list[str] = Field(description="Every lmcache_instance_id that may register")
 
 
 class PrefixLookupRequest(BaseModel):
@@ -55,7 +64,7 @@ async def prefix_lookup(request: Request, req: PrefixLookupRequest) -> dict[str,
     return prefix_lookup_reply(len(hashes), svc.prefix_lookup(hashes))
 
 
-@router.post("/v1/deregister")
+@router.post("/v1/deregister", dependencies=[Depends(require_token)])
 async def deregister(request: Request, req: DeregisterRequest) -> dict[str, Any]:
     """The operator's finalizer of a deleted P2PGroup/PDPair: forget every worker of the
     instance now, instead of serving its keys until the heartbeat TTL purges it."""
@@ -74,3 +83,21 @@ async def stats(request: Request) -> dict[str, Any]:
     workers = {iid: len(svc.registry.worker_ids(iid)) for iid in svc.registry.instances()}
     chunks = svc.index.stats()["chunks"]
     return stats_reply(workers, chunks, m.location_counts(), dict(m.refusals), svc.refused)
+
+
+@router.put(INSTANCES_PATH, dependencies=[Depends(require_token)])
+async def put_instances(request: Request, req: InstancesRequest) -> dict[str, Any]:
+    """The operator's allowlist of the domain (every id it renders): from now on only these may
+    register. Workers registered already stay (a scale-down's pod deregisters itself)."""
+    if any(not iid for iid in req.instance_ids):
+        raise HTTPException(status_code=422, detail="instance_ids: an id is empty")
+    allowlist = server_of(request).service.allowlist
+    allowlist.replace(req.instance_ids, "operator")
+    return allowlist.describe()
+
+
+@router.get(INSTANCES_PATH)
+async def get_instances(request: Request) -> dict[str, Any]:
+    """Read-only: the allowlist (``instance_ids`` null: none was given, every id may register)
+    and where it came from (``file``, ``operator``, ``none``)."""
+    return server_of(request).service.allowlist.describe()

@@ -3,10 +3,11 @@
 Why a router of its own: scripts and dashboards written for LMCache's API keep working
 (``/lookup``, ``/query_instance``, ``/query_worker_info``, ``/clear``, ``/pin``, ``/compress``,
 ``/decompress``, ``/move``, ``/health``, ``/check_finish``: same request bodies, same response
-fields, HTTP 500 with a ``detail`` on failure). Each route is generated from a row of
-:data:`kvpool.controller.orchestration.OPERATIONS` — body → message → orchestration → reply →
-JSON — so no route repeats those steps by hand. Mount it on any app whose
-``state.server`` is a :class:`~kvpool.controller.server.ControllerServer`.
+fields, HTTP 500 with a ``detail`` on failure); the routes that change what workers hold need
+the domain's API token (:mod:`kvpool.controller.auth`) where LMCache's need none. Each route is
+generated from a row of :data:`kvpool.controller.orchestration.OPERATIONS` — body → message →
+orchestration → reply → JSON — so no route repeats those steps by hand. Mount it on any app
+whose ``state.server`` is a :class:`~kvpool.controller.server.ControllerServer`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 
+from kvpool.controller.auth import require_token
 from kvpool.controller.orchestration import OPERATIONS, Operation, handle_orchestration
 from kvpool.controller.server import ControllerServer
 
@@ -58,8 +60,10 @@ def _endpoint(op: Operation) -> Callable[..., Awaitable[dict[str, Any]]]:
 
 
 def router() -> APIRouter:
-    """A router with one ``POST`` route per orchestration operation."""
+    """A router with one ``POST`` route per orchestration operation (the token on those that
+    change what workers hold)."""
     r = APIRouter()
     for op in OPERATIONS:
-        r.add_api_route(op.path, _endpoint(op), methods=["POST"])
+        guard = [Depends(require_token)] if op.mutates else []
+        r.add_api_route(op.path, _endpoint(op), methods=["POST"], dependencies=guard)
     return r

@@ -21,8 +21,9 @@ from typing import Any, cast
 import zmq
 import zmq.asyncio
 
+from kvpool.controller.allowlist import FILE_POLL_S, AllowlistFile
 from kvpool.controller.control import ControlPlane
-from kvpool.controller.orchestration import handle_orchestration
+from kvpool.controller.orchestration import handle_zmq_orchestration
 from kvpool.controller.persistence import RedisStore
 from kvpool.controller.registry import WorkerRecord
 from kvpool.controller.service import ControllerService
@@ -66,6 +67,10 @@ class ControllerServer:
                 self.store.queued_keys if self.store else 0
             )
         self.service.record_deltas = settings.pub_port is not None or self.store is not None
+        self.allowlist_file: AllowlistFile | None = None
+        if settings.instances_file:  # read now: no registration is accepted before it
+            self.allowlist_file = AllowlistFile(settings.instances_file)
+            self.allowlist_file.load(self.service.allowlist)
         self.ports: dict[str, int] = {}
         self.ready = False
         self.loaded_from_redis = 0
@@ -166,6 +171,8 @@ class ControllerServer:
             if self.settings.purge_enabled:
                 tg.create_task(self._purge_loop())
             tg.create_task(self._sweep_loop())
+            if self.allowlist_file is not None:
+                tg.create_task(self._allowlist_loop(self.allowlist_file))
             tg.create_task(self.service.metrics.watch_loop_lag())
             if self.store is not None:
                 tg.create_task(self.store.run(self._snapshot_now))
@@ -242,7 +249,7 @@ class ControllerServer:
                 self.service.bad(exc.kind, f"PULL frame: {exc.detail}")
                 continue
             if isinstance(msg, p.ORCH_REQUESTS):
-                self._spawn(handle_orchestration(self.service, msg))
+                self._spawn(handle_zmq_orchestration(self.service, msg))
             else:
                 self.service.handle_push(msg)
 
@@ -277,7 +284,7 @@ class ControllerServer:
         self._reply("reply", identity, self.service.handle_request(msg))
 
     async def _answer_orchestration(self, identity: bytes, msg: Any) -> None:
-        reply = await handle_orchestration(self.service, msg)
+        reply = await handle_zmq_orchestration(self.service, msg)
         self._reply("reply", identity, reply)
 
     def _on_heartbeat(self, frames: list[bytes]) -> None:
@@ -319,6 +326,12 @@ class ControllerServer:
         while True:
             left = index.sweep(SWEEP_STEP)
             await asyncio.sleep(0 if left else 0.05)
+
+    async def _allowlist_loop(self, file: AllowlistFile) -> None:
+        """Apply the ``--instances-file`` again whenever the kubelet updates it."""
+        while True:
+            await asyncio.sleep(FILE_POLL_S)
+            file.poll(self.service.allowlist)
 
     def _snapshot_now(self) -> dl.Snapshot:
         self.flush()

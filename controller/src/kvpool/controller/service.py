@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.controller import fullsync
+from kvpool.controller.allowlist import Allowlist
 from kvpool.controller.control import ControlError, ControlPlane
 from kvpool.controller.metrics import Metrics
 from kvpool.controller.registry import Registry, WorkerRecord, check_fingerprint
@@ -55,6 +56,9 @@ class ControllerService:
         self._logged_kinds: set[str] = set()
         self._warned_unsuffixed: set[str] = set()
         self._refused: dict[str, str] = {}  # instance id -> reason
+        #: The instance ids that may register (allowlist.py; none given: every id may).
+        self.allowlist = Allowlist()
+        self.logged_unauthorized: set[str] = set()  # routes whose 401 was logged (auth.py)
         self._events: dict[str, str] = {}  # orchestration event id -> status
         m = self.metrics
         m.gauges["instances"] = lambda: float(len(self.registry.instances()))
@@ -129,17 +133,29 @@ class ControllerService:
 
     # ------------------------------------------------------------------ membership
 
+    def _refuse(self, instance_id: str, kind: str, reason: str) -> str:
+        """Count and remember a refused registration (logged once per id); returns ``reason``."""
+        self.metrics.refusals[kind] += 1
+        if instance_id not in self._refused:
+            logger.error("refusing instance %s: %s", instance_id, reason)
+        self._refused[instance_id] = reason
+        return reason
+
     def _admit_identity(self, instance_id: str) -> str | None:
-        """Fingerprint check; returns the refusal reason, or None when accepted."""
+        """Fingerprint and allowlist checks; returns the refusal reason, or None when accepted."""
         verdict = check_fingerprint(
             instance_id, self.settings.fingerprint, require=self.settings.require_fingerprint
         )
         if not verdict.accepted:
-            self.metrics.refusals["fingerprint"] += 1
-            if instance_id not in self._refused:
-                logger.error("refusing instance %s: %s", instance_id, verdict.reason)
-            self._refused[instance_id] = verdict.reason
-            return verdict.reason
+            return self._refuse(instance_id, "fingerprint", verdict.reason)
+        if not self.allowlist.allows(instance_id):
+            return self._refuse(
+                instance_id,
+                "unknown_instance",
+                f"instance id {instance_id!r} is not one the operator rendered for this domain "
+                f"({len(self.allowlist.ids or ())} allowed, from {self.allowlist.source}): a pod "
+                "of a deleted member or of another pool, or not kvpool's",
+            )
         if (
             verdict.fingerprint is None
             and self.settings.fingerprint is not None
@@ -161,6 +177,7 @@ class ControllerService:
         reason = self._admit_identity(instance_id)
         if reason is not None:
             return reason
+        self._refused.pop(instance_id, None)  # refused before it was allowed (a scale-up)
         record, known = self.registry.register(
             instance_id, worker_id, ip, port, peer_init_url, self.clock()
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvpool.protocol.hashing import HashConfig, HashConfigError
@@ -84,6 +84,18 @@ class ControllerSettings(BaseSettings):
         validation_alias=AliasChoices("hash_seed", "PYTHONHASHSEED"),
         description="The domain's PYTHONHASHSEED (the operator injects it); used with vllm",
     )
+    api_token: SecretStr | None = Field(
+        None,
+        description="Bearer token the mutating HTTP routes require (env "
+        "KVPOOL_CONTROLLER_API_TOKEN, from the domain's Secret; no flag, so it never shows in a "
+        "process list); unset: every route is open (a standalone controller for development)",
+    )
+    instances_file: str | None = Field(
+        None,
+        description="JSON or YAML file {instance_ids: [...]}: only these ids may register "
+        "(the operator renders it, and PUT /v1/instances replaces it); unset and never sent: "
+        "every id may",
+    )
     drain_batch: int = Field(512, gt=0, description="Most frames handled per loop turn per socket")
     drain_budget_ms: float = Field(
         1.0, gt=0, description="Most time one socket keeps the loop before others get a turn"
@@ -104,6 +116,11 @@ class ControllerSettings(BaseSettings):
             if not 0 <= int(port) <= 65535:
                 raise ValueError(f"monitor_ports[{role!r}]={port} is not a TCP port")
         return value
+
+    @field_validator("api_token")
+    @classmethod
+    def _empty_token(cls, value: SecretStr | None) -> SecretStr | None:
+        return None if value is None or not value.get_secret_value() else value
 
     @field_validator("fingerprint")
     @classmethod

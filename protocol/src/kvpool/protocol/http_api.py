@@ -1,7 +1,8 @@
 """The HTTP strings and shapes the gateway, the workers, the controller and the operator's local
 runner agree on: kvpool's request and response headers, session ids and their bound, OpenAI's
 error body and how a validation failure reads in it, the controller's ``/v1/prefix_lookup``
-request and reply, and its ``/v1/stats`` reply (the operator's live status figures).
+request and reply, its ``/v1/stats`` reply (the operator's live status figures), and who may
+change it: the API token's env var, Secret key and header, and the allowlist of instance ids.
 
 Why this module exists: each of these was typed in two to four components. A header spelled
 one way by the gateway and another by the worker, or a session id cut at a different length
@@ -162,3 +163,40 @@ def stats_reply(
         "refusals": dict(sorted(refusals.items())),
         "refused": dict(last),
     }
+
+
+# ---------------------------------------------------------------- the controller's access rules
+
+#: Env var carrying a domain's controller API token (from the Secret the operator renders)
+#: into the controller; its mutating HTTP routes want it as ``Authorization: Bearer <token>``.
+CONTROLLER_TOKEN_ENV: Final = "KVPOOL_CONTROLLER_API_TOKEN"
+#: The key of that token in the Secret.
+CONTROLLER_TOKEN_KEY: Final = "token"
+#: The request header the token travels in.
+AUTHORIZATION: Final = "authorization"
+#: The controller's route for the instance ids that may register: ``PUT`` (token) replaces the
+#: list, ``GET`` reads it. The operator sends every id it renders for the domain before it
+#: creates the pods that carry them; the same body is the controller's ``--instances-file``.
+INSTANCES_PATH: Final = "/v1/instances"
+INSTANCE_IDS: Final = "instance_ids"
+
+
+def bearer(token: str) -> dict[str, str]:
+    """The header that authorizes a call of a mutating controller route."""
+    return {AUTHORIZATION: f"Bearer {token}"}
+
+
+def instances_body(ids: Sequence[str]) -> dict[str, Any]:
+    """The allowlist as the operator sends (and renders) it: the ids, sorted, once each."""
+    return {INSTANCE_IDS: sorted(set(ids))}
+
+
+def instances_of(body: Any) -> list[str]:
+    """The ids of an allowlist body; ValueError naming the field and the expected shape."""
+    ids = body.get(INSTANCE_IDS) if isinstance(body, Mapping) else None
+    if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
+        raise ValueError(
+            f"{INSTANCE_IDS!r} must be a list of instance ids (non-empty strings), as in "
+            f'{{"{INSTANCE_IDS}": ["demo-p2p-0~4683d6be7c28"]}}'
+        )
+    return list(ids)
