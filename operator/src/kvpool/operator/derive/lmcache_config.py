@@ -139,11 +139,14 @@ def _gb(size: int) -> float:
 
 
 def _tiers(pool: KVCachePool, instance: str, *, local_cpu: bool) -> dict[str, Any]:
+    """The tiers of an instance: with ``local_cpu`` the pool's CPU, disk and remote tiers,
+    without it (a PD instance, ``platform.carries_pool_tiers``) none."""
     spec = pool.spec
     ns = pool.metadata.namespace
     cfg: dict[str, Any] = {"local_cpu": local_cpu}
-    if local_cpu:
-        cfg["max_local_cpu_size"] = _gb(spec.tiers.cpu.size)
+    if not local_cpu:
+        return cfg
+    cfg["max_local_cpu_size"] = _gb(spec.tiers.cpu.size)
     if spec.tiers.disk is not None:
         cfg["local_disk"] = f"file://{spec.tiers.disk.path.rstrip('/')}/"
         cfg["max_local_disk_size"] = _gb(spec.tiers.disk.size)

@@ -1,4 +1,5 @@
-"""Platform defaults: transfer channel, PD buffer device, and which side of a PD pair pulls.
+"""Platform defaults: transfer channel, PD buffer device, which side of a PD pair pulls, and
+which members carry the pool's disk and remote tiers.
 
 Why: a field left unset is filled in from the platform (ascend, cuda, cpu); render emits the
 filled-in value and validation checks it, so both read it from here.
@@ -57,3 +58,13 @@ def hashes_like_vllm(members: Sequence[P2PGroup | PDPair]) -> bool:
     PYTHONHASHSEED, kvpool's reference engine (cpu) does not, so the controller (``--vllm``)
     and the gateway (``vllm: true``) must hash the way the engines do."""
     return any(p != "cpu" for m in members for p in member_platforms(m))
+
+
+def carries_pool_tiers(member: P2PGroup | PDPair) -> bool:
+    """Whether ``member``'s instances get the pool's disk and remote tiers. A PD pair's do not:
+    LMCache 0.5.6 runs the PD roles without the local CPU tier, and its disk and remote backends
+    use that tier as their buffer (the disk backend asserts at start, the Mooncake connector
+    fails with ``'SafeLocalCPUBackend' object has no attribute 'config'`` and every store of a
+    remote tier with ``local_cpu_backend is required for get_allocator_backend``). A PD
+    instance gets its KV by transfer; the tiers serve the pool's P2P groups."""
+    return isinstance(member, P2PGroup)

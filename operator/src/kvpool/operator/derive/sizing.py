@@ -63,7 +63,7 @@ def rank_parts(pool: KVCachePool, member: P2PGroup | PDPair, role: str) -> Parts
         parts.append(("PD CPU buffer", transfer.cpu_buffer_size))
     if default_pd_buffer_device(member) == "cpu":
         parts.append(("PD buffer", transfer.buffer_size))
-    return [*parts, *_mooncake(pool)]
+    return parts  # nor the pool's remote tier (platform.carries_pool_tiers)
 
 
 def engine_memory_bytes(engine: EngineSpec) -> int:

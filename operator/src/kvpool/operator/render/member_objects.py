@@ -22,6 +22,7 @@ from kvpool.operator.derive.instances import (
     worker_command,
 )
 from kvpool.operator.derive.ownership import instance_configs
+from kvpool.operator.derive.platform import carries_pool_tiers
 from kvpool.operator.derive.ports import InstancePorts
 from kvpool.operator.derive.sizing import instance_host_bytes
 from kvpool.operator.quantity import parse_quantity
@@ -115,7 +116,8 @@ def _volumes(
     pool: KVCachePool, member: P2PGroup | PDPair, instance: Instance
 ) -> tuple[list[Obj], list[Obj]]:
     """The pod's volumes and the engine's mounts of them: the instance's LMCache config,
-    ``/dev/shm``, and the disk tier (its size for every TP rank) when the pool has one."""
+    ``/dev/shm``, and the disk tier (its size for every TP rank) when the pool has one and the
+    member carries it (``platform.carries_pool_tiers``)."""
     name = instance.ports.name
     volumes: list[Obj] = [
         {
@@ -132,7 +134,7 @@ def _volumes(
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
     disk = pool.spec.tiers.disk
-    if disk is not None:
+    if disk is not None and carries_pool_tiers(member):
         volumes.append({"name": "kv-disk", "emptyDir": {"sizeLimit": str(disk.size * instance.tp)}})
         mounts.append({"name": "kv-disk", "mountPath": disk.path})
     return volumes, mounts

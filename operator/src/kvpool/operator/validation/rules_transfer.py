@@ -15,6 +15,7 @@ from kvpool.operator.derive.ownership import owned_lmcache_keys
 from kvpool.operator.derive.platform import (
     CHANNELS,
     PD_BUFFER_DEVICES,
+    carries_pool_tiers,
     default_pd_buffer_device,
     member_channel,
     pd_sender_pull,
@@ -413,4 +414,29 @@ def rule8_pd(pool: KVCachePool, members: Members) -> list[Problem]:
             )
         if isinstance(member, PDPair):
             out += _pd_pair(member)
+    return out + _tiers_unused(pool, members)
+
+
+def _tiers_unused(pool: KVCachePool, members: Members) -> list[Problem]:
+    """A warning per disk or remote tier that no member carries: every member is a PD pair,
+    whose instances run without the pool's tiers (``platform.carries_pool_tiers``)."""
+    if not members or any(carries_pool_tiers(m) for m in members):
+        return []
+    out: list[Problem] = []
+    for tier in ("disk", "remote"):
+        if getattr(pool.spec.tiers, tier) is None:
+            continue
+        out.append(
+            Problem(
+                where(pool, f"spec.tiers.{tier}"),
+                f"no member of this pool uses the {tier} tier: PD instances run without the "
+                "pool's disk and remote tiers (LMCache 0.5.6's PD roles have no local CPU tier, "
+                "which those backends need as their buffer)",
+                f"remove tiers.{tier}, or add a P2PGroup to this pool (it carries the tiers)",
+                rule=8,
+                severity="warning",
+                code="pd.tiers",
+                patch=(remove_field(pool, f"spec.tiers.{tier}"),),
+            )
+        )
     return out
