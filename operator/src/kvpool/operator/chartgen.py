@@ -25,6 +25,7 @@ VALUES_HEADER = (
     "# Every key is documented in values.schema.json; unknown keys are refused.\n"
 )
 
+
 def values_yaml() -> str:
     """values.yaml: the defaults of ChartValues."""
     values = ChartValues().model_dump(by_alias=True, mode="json", exclude_none=True)
