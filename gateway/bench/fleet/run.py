@@ -49,7 +49,13 @@ import sizing  # noqa: E402
 
 from kvpool.gateway.fleetsim.fleet import ORACLE, FleetConfig, FleetSim  # noqa: E402
 from kvpool.gateway.fleetsim.stats import json_safe, summarize  # noqa: E402
-from kvpool.gateway.traces.mooncake import Window, read_mooncake  # noqa: E402
+from kvpool.gateway.traces.mooncake import (  # noqa: E402
+    Window,
+    dump_row,
+    read_mooncake,
+    sample_families,
+    trace_stats,
+)
 from kvpool.protocol.simcore.profile import bundled_profile  # noqa: E402
 
 TRACE = HERE.parents[2].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -67,12 +73,36 @@ class Settings:
     count: int
     wall_s: float
     quick: bool
+    sample: int | None  # replay this many requests, whole families drawn from the window
+    seed: int
 
 
 def settings(args: argparse.Namespace) -> Settings:
-    count = args.count or (150 if args.quick else 1500)
+    count = args.count or 1500
+    sample = args.sample if args.sample is not None else (300 if args.quick else None)
     wall = args.wall_s or (40.0 if args.quick else 600.0)
-    return Settings(Path(args.trace), args.start, count, wall, args.quick)
+    return Settings(Path(args.trace), args.start, count, wall, args.quick, sample or None,
+                    args.seed)  # fmt: skip
+
+
+def window_requests(s: Settings, root: Path) -> tuple[list[Any], arms.Window]:
+    """The requests every arm replays, and where the replay reads them: the trace's window,
+    or (``--sample``) whole conversation families drawn from it, written as a Mooncake-format
+    file of their own (``window.jsonl`` in the run's directory) that every arm, the simulator
+    and the sizing read alike."""
+    requests = read_mooncake(s.trace, Window(start=s.start, count=s.count))
+    if s.sample is None:
+        return requests, arms.Window(s.trace, s.start, len(requests))
+    picked = sample_families(requests, s.sample, seed=s.seed)
+    path = root / "window.jsonl"
+    path.write_text("".join(dump_row(r) + "\n" for r in picked))
+    sampled = read_mooncake(path)
+    peers.log(
+        f"sample: {len(sampled)} requests in whole families (seed {s.seed}) of the"
+        f" {len(requests)} from #{s.start}: ideal hit {trace_stats(sampled).ideal_hit_ratio:.3f}"
+        f" (the window's {trace_stats(requests).ideal_hit_ratio:.3f})"
+    )
+    return sampled, arms.Window(path, 0, len(sampled))
 
 
 def run_arms(
@@ -162,11 +192,18 @@ def full_trace_1000(trace: Path, profile_name: str) -> dict[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--quick", action="store_true", help="a shorter window; every key kept")
+    ap.add_argument(
+        "--quick", action="store_true", help="--sample 300 and a 40 s replay; every key kept"
+    )
     ap.add_argument("--out", required=True, help="JSON result path")
     ap.add_argument("--trace", default=str(TRACE), help="a Mooncake-format trace")
     ap.add_argument("--start", type=int, default=0, help="first request of the window")
-    ap.add_argument("--count", type=int, default=None, help="requests in the window")
+    ap.add_argument("--count", type=int, default=None, help="requests in the window (1500)")
+    ap.add_argument(
+        "--sample", type=int, default=None,
+        help="replay about this many requests: whole conversation families drawn from the window",
+    )  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0, help="the sample's random seed")
     ap.add_argument("--wall-s", type=float, default=None, help="wall seconds the window takes")
     ap.add_argument("--arms", default=None, help="comma-separated subset of the arms")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1000-instance part")
@@ -174,7 +211,10 @@ def main() -> int:
     s = settings(args)
     only = set(args.arms.split(",")) if args.arms else None
     t0 = time.monotonic()
-    requests = read_mooncake(s.trace, Window(start=s.start, count=s.count))
+    root = RUNS / time.strftime("%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=True)
+    peers.log(f"logs and replays of this run: {root}")
+    requests, window = window_requests(s, root)
     profile = bundled_profile(PROFILE)
     peers.log(f"window: {len(requests)} requests of {s.trace.name} from #{s.start}")
     plan = sizing.plan_fleet(requests, profile, profile_name=PROFILE, wall_s=s.wall_s)
@@ -183,12 +223,8 @@ def main() -> int:
         f" capacity {plan.capacity_req_per_s:.2f} req/s, offered {plan.load:.0%}: trace x"
         f"{plan.time_scale:.2f}, sims at {plan.speedup:.3f} model s per wall s"
     )
-    window = arms.Window(s.trace, s.start, len(requests))
     sim = simulate(plan, requests, PROFILE)
     load_start = os.getloadavg()[0]
-    root = RUNS / time.strftime("%Y%m%d-%H%M%S")
-    root.mkdir(parents=True, exist_ok=True)
-    peers.log(f"logs and replays of this run: {root}")
     measured, skipped = run_arms(plan, window, root, only)
     load_end = os.getloadavg()[0]
     scale_m = {} if args.no_scale else scale.measure_scale(s.quick, root / "scale")
@@ -208,7 +244,13 @@ def main() -> int:
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
             "trace": str(s.trace.name),
-            "window": {"start": s.start, "count": len(requests)},
+            "window": {
+                "start": s.start,
+                "count": s.count,
+                "sample": s.sample,
+                "seed": s.seed,
+                "requests": len(requests),
+            },
             "plan": dataclasses.asdict(plan),
             "loadavg_1m_start_end": [load_start, load_end],
             "skipped_arms": skipped,

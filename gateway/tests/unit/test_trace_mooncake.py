@@ -22,7 +22,7 @@ from kvpool.gateway.traces import (
     read_mooncake,
     trace_stats,
 )
-from kvpool.gateway.traces.mooncake import dump_row
+from kvpool.gateway.traces.mooncake import dump_row, sample_families
 
 # the checkout's ../shared/traces (DESIGN.md: real traces live beside the repository)
 REAL = Path(__file__).resolve().parents[4] / "shared/traces/mooncake_conversation_trace.jsonl"
@@ -156,3 +156,45 @@ def test_the_real_conversation_trace() -> None:
     s = trace_stats(reqs)
     assert (s.requests, s.blocks, s.distinct_blocks) == (12031, 288500, 182790)  # its README
     assert round(s.span_s) == 3537
+
+
+def _req(index: int, ids: tuple[int, ...]) -> TraceRequest:
+    return TraceRequest(index=index, line=index + 1, arrival_s=float(index), input_length=512 *
+                        len(ids), output_length=1, hash_ids=ids)  # fmt: skip
+
+
+def test_sample_families_keeps_whole_families_in_file_order() -> None:
+    # families by their first two blocks: (0, 1) x3, (0, 2) x1, (0, 3) x2, (0, 4) x4
+    reqs = [_req(i, ids) for i, ids in enumerate([
+        (0, 1), (0, 2), (0, 1, 5), (0, 3), (0, 4), (0, 1, 5, 6), (0, 3, 7),
+        (0, 4, 8), (0, 4, 8, 9), (0, 4, 8, 9, 10)])]  # fmt: skip
+    for seed in range(20):
+        got = sample_families(reqs, 6, seed=seed)
+        assert [r.index for r in got] == sorted(r.index for r in got)
+        assert 1 <= len(got) <= 6
+        keys = {r.hash_ids[:2] for r in got}
+        for key in keys:  # every chosen family is whole
+            assert sum(r.hash_ids[:2] == key for r in got) == sum(
+                r.hash_ids[:2] == key for r in reqs
+            )
+    assert sample_families(reqs, 6, seed=3) == sample_families(reqs, 6, seed=3)
+    assert len({tuple(r.index for r in sample_families(reqs, 6, seed=s)) for s in range(20)}) > 1
+    assert sample_families(reqs, 100) == reqs  # everything fits
+
+
+def test_sample_families_cuts_one_family_when_none_fits() -> None:
+    reqs = [_req(i, (0, 1, i + 2)) for i in range(5)]
+    assert [r.index for r in sample_families(reqs, 3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="count"):
+        sample_families(reqs, 0)
+
+
+def test_sample_of_the_real_trace_keeps_its_reuse() -> None:
+    """Drawn from the first 1,500 requests, 300 requests in whole families reuse about as
+    much as the 1,500 do (the first 300 of the file reuse far less)."""
+    window = read_mooncake(REAL, Window(count=1500))
+    whole = trace_stats(window).ideal_hit_ratio
+    first = trace_stats(window[:300]).ideal_hit_ratio
+    sample = trace_stats(sample_families(window, 300, seed=0)).ideal_hit_ratio
+    assert first < 0.75 * whole
+    assert abs(sample - whole) < 0.25 * whole
