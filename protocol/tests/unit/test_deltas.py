@@ -204,3 +204,64 @@ def test_replica_equals_the_source_index_after_any_losses(
     probe = list(range(7))
     for start in range(7):
         assert replica.prefix_hits(probe[start:]) == source.prefix_hits(probe[start:])
+
+
+# ------------------------------------------------------------------ leadership terms
+
+
+def test_term_zero_frames_are_unchanged_and_terms_round_trip() -> None:
+    """A single controller's frames stay byte-identical (term 0 is not encoded); a standby that
+    took over publishes its term and where it started."""
+    assert encode(DeltaBatch("e1", [], 0, 0)) == encode(DeltaBatch("e1", []))
+    batch = DeltaBatch("e1", [admit(7, [1])], term=2, term_start=7)
+    assert decode_batch(encode(batch)) == batch
+    snap = Snapshot("e1", 6, [], [], term=2)
+    assert decode_snapshot(encode(snap)) == snap
+
+
+def test_a_new_term_that_starts_where_the_replica_stands_continues() -> None:
+    """The standby had every delta this replica had (0..1): the new leader's first batch
+    (term 1, from delta 2) applies without a snapshot; the epoch stays."""
+    replica = synced()
+    assert replica.apply_batch(DeltaBatch("e1", [admit(0, [1]), admit(1, [2])]))
+    assert replica.apply_batch(DeltaBatch("e1", [admit(2, [3])], term=1, term_start=2))
+    assert replica.term == 1 and replica.seq == 2 and replica.epoch == "e1"
+    assert replica.gaps == 0 and replica.prefix_hits([1, 2, 3])["a"].hit_chunks == 3
+
+
+def test_a_replica_ahead_of_the_new_leader_resyncs_once() -> None:
+    """This replica saw delta 2 of the old leader, the standby did not: the new leader numbers
+    its own first change 2 too. Continuing would skip it, so the replica asks for a snapshot."""
+    replica = synced()
+    assert replica.apply_batch(DeltaBatch("e1", [admit(0, [1]), admit(1, [2]), admit(2, [8])]))
+    assert not replica.apply_batch(DeltaBatch("e1", [admit(2, [3])], term=1, term_start=2))
+    assert replica.needs_snapshot and replica.gaps == 1
+    snap = Snapshot("e1", 1, [], [LocationEntry("a", 0, CPU, [1, 2])], term=1)
+    assert replica.load_snapshot(snap)  # the new leader's snapshot, then its buffered delta 2
+    assert replica.term == 1 and replica.seq == 2
+    assert replica.prefix_hits([1, 2, 3])["a"].hit_chunks == 3
+    assert replica.prefix_hits([8]) == {}  # the old leader's last delta is not in the index
+
+
+def test_a_replica_behind_the_new_leader_resyncs() -> None:
+    replica = synced()
+    assert replica.apply_batch(DeltaBatch("e1", [admit(0, [1])]))
+    assert not replica.apply_batch(DeltaBatch("e1", [admit(3, [3])], term=1, term_start=3))
+    assert replica.needs_snapshot
+
+
+def test_an_older_terms_batch_is_ignored() -> None:
+    """A deposed leader's late batch never overwrites the new leader's numbering."""
+    replica = synced()
+    assert replica.apply_batch(DeltaBatch("e1", [admit(0, [1])], term=2, term_start=0))
+    assert replica.apply_batch(DeltaBatch("e1", [admit(1, [9])], term=1, term_start=0))
+    assert replica.seq == 0 and replica.stale_batches == 1 and replica.prefix_hits([9]) == {}
+
+
+def test_buffered_deltas_of_another_term_are_not_replayed_onto_a_snapshot() -> None:
+    replica = IndexReplica()
+    replica.apply_batch(DeltaBatch("e1", [admit(5, [1])], term=1, term_start=0))
+    replica.apply_batch(DeltaBatch("e1", [admit(5, [2])], term=2, term_start=5))
+    assert replica.load_snapshot(Snapshot("e1", 4, [], [], term=2))
+    assert replica.seq == 5 and replica.term == 2
+    assert replica.prefix_hits([2])["a"].hit_chunks == 1 and replica.prefix_hits([1]) == {}

@@ -21,6 +21,13 @@ A loss is seen when the next delta arrives (its number is not the one expected);
 very end of a burst stays invisible until the controller publishes again, so a subscriber that
 must bound its staleness re-fetches a snapshot when the stream has been quiet for a while.
 
+Leadership terms. With two controller replicas the standby follows this same stream; when it
+takes over it continues the same ``epoch`` and numbering, in a new ``term`` that starts at
+``term_start`` (one past the last delta it had). A replica at exactly ``term_start - 1`` holds
+what the new leader holds and simply continues; one that saw more of the old leader's stream
+than the standby did (or less) cannot tell which of its deltas the new leader lacks, so it
+fetches a snapshot, once. Batches of an older term (a deposed leader's last words) are ignored.
+
 Everything here is pure: :class:`IndexReplica` never touches a socket.
 """
 
@@ -58,10 +65,14 @@ class Delta(msgspec.Struct, frozen=True, array_like=True):
 
 
 class DeltaBatch(msgspec.Struct, frozen=True, array_like=True):
-    """One PUB message: consecutive deltas of one controller run (``epoch``)."""
+    """One PUB message: consecutive deltas of one controller run (``epoch``), published by the
+    leader of ``term``, whose first delta was number ``term_start`` (term 0 is not encoded:
+    :func:`encode`)."""
 
     epoch: str
     deltas: list[Delta]
+    term: int = 0
+    term_start: int = 0
 
 
 class WorkerEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -79,12 +90,13 @@ class LocationEntry(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Snapshot(msgspec.Struct, frozen=True, array_like=True):
-    """The whole index as of delta ``seq`` of run ``epoch``."""
+    """The whole index as of delta ``seq`` of run ``epoch``, from the leader of ``term``."""
 
     epoch: str
     seq: int
     workers: list[WorkerEntry]
     entries: list[LocationEntry]
+    term: int = 0
 
 
 def apply_delta(index: ChunkIndex, delta: Delta) -> None:
@@ -116,11 +128,13 @@ class IndexReplica:
         self.index = ChunkIndex()
         self.workers: dict[tuple[str, int], WorkerEntry] = {}
         self.epoch: str | None = None
+        self.term = 0
         self.seq = -1
         self.needs_snapshot = True
         self.gaps = 0
+        self.stale_batches = 0  # batches of an older term, ignored
         self._buffer: list[Delta] = []
-        self._buffer_epoch: str | None = None
+        self._buffer_key: tuple[str, int] | None = None  # (epoch, term) of the buffered deltas
         self._max_buffered = max_buffered
 
     def apply_batch(self, batch: DeltaBatch) -> bool:
@@ -129,23 +143,34 @@ class IndexReplica:
             if not self.needs_snapshot:
                 self.gaps += 1  # the controller restarted: a new epoch starts at seq 0
                 self.needs_snapshot = True
-            self._buffer_deltas(batch.epoch, batch.deltas)
+            self._buffer_deltas(batch.epoch, batch.term, batch.deltas)
             return False
+        if batch.term != self.term:
+            if batch.term < self.term:
+                self.stale_batches += 1  # a deposed leader's: the newer term's stream wins
+                return True
+            if batch.term_start != self.seq + 1:
+                # The new leader took over at another delta than the one this replica is at.
+                self.gaps += 1
+                self.needs_snapshot = True
+                self._buffer_deltas(batch.epoch, batch.term, batch.deltas)
+                return False
+            self.term = batch.term
         for position, delta in enumerate(batch.deltas):
             if delta.seq <= self.seq:
                 continue  # already contained in the snapshot, or a duplicate
             if delta.seq != self.seq + 1:
                 self.gaps += 1
                 self.needs_snapshot = True
-                self._buffer_deltas(batch.epoch, batch.deltas[position:])
+                self._buffer_deltas(batch.epoch, batch.term, batch.deltas[position:])
                 return False
             self._apply(delta)
         return True
 
-    def _buffer_deltas(self, epoch: str, deltas: Sequence[Delta]) -> None:
-        if epoch != self._buffer_epoch:
+    def _buffer_deltas(self, epoch: str, term: int, deltas: Sequence[Delta]) -> None:
+        if (epoch, term) != self._buffer_key:
             self._buffer = []
-            self._buffer_epoch = epoch
+            self._buffer_key = (epoch, term)
         self._buffer.extend(deltas)
         if len(self._buffer) > self._max_buffered:
             # Too far behind to replay all: keep the newest; a later snapshot covers the rest.
@@ -159,9 +184,11 @@ class IndexReplica:
         self.index = index
         self.workers = {(w.instance_id, w.worker_id): w for w in snapshot.workers}
         self.epoch = snapshot.epoch
+        self.term = snapshot.term
         self.seq = snapshot.seq
         self.needs_snapshot = False
-        buffered = self._buffer if self._buffer_epoch == snapshot.epoch else []
+        key = (snapshot.epoch, snapshot.term)
+        buffered = self._buffer if self._buffer_key == key else []
         self._buffer = []
         ordered = sorted(buffered, key=lambda d: d.seq)
         for position, delta in enumerate(ordered):
@@ -171,7 +198,7 @@ class IndexReplica:
                 # still a hole: keep what follows it for the next snapshot to be replayed onto
                 self.needs_snapshot = True
                 self.gaps += 1
-                self._buffer_deltas(snapshot.epoch, ordered[position:])
+                self._buffer_deltas(snapshot.epoch, snapshot.term, ordered[position:])
                 return False
             self._apply(delta)
         return True
@@ -205,8 +232,26 @@ _SNAPSHOT_DECODER = msgspec.msgpack.Decoder(Snapshot)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
+class _TermlessBatch(msgspec.Struct, frozen=True, array_like=True):
+    epoch: str
+    deltas: list[Delta]
+
+
+class _TermlessSnapshot(msgspec.Struct, frozen=True, array_like=True):
+    epoch: str
+    seq: int
+    workers: list[WorkerEntry]
+    entries: list[LocationEntry]
+
+
 def encode(obj: DeltaBatch | Snapshot) -> bytes:
-    """The msgpack frame of a batch (PUB) or a snapshot (snapshot reply)."""
+    """The msgpack frame of a batch (PUB) or a snapshot (snapshot reply). Term 0 is left out
+    (msgspec encodes every field of an array-like struct), so a single controller's frames are
+    byte for byte what they were before terms, and decode to term 0."""
+    if isinstance(obj, DeltaBatch) and obj.term == 0 and obj.term_start == 0:
+        return _ENCODER.encode(_TermlessBatch(obj.epoch, obj.deltas))
+    if isinstance(obj, Snapshot) and obj.term == 0:
+        return _ENCODER.encode(_TermlessSnapshot(obj.epoch, obj.seq, obj.workers, obj.entries))
     return _ENCODER.encode(obj)
 
 

@@ -26,6 +26,13 @@ FINGERPRINT_ENV: Final = "KVPOOL_DOMAIN_FINGERPRINT"
 #: ``PYTHONHASHSEED`` accepts 0..4294967295 (Python refuses anything larger at start-up).
 MAX_HASH_SEED: Final = 4294967295
 
+#: The controller replica holding the domain's Lease labels its own pod with this label, value
+#: ``leader`` (the others ``standby``); the operator renders the controller Service selecting
+#: it, so workers and gateways reach the leader only.
+CONTROLLER_ROLE_LABEL: Final = "kvpool.io/controller-role"
+CONTROLLER_LEADER: Final = "leader"
+CONTROLLER_STANDBY: Final = "standby"
+
 #: Rule 9: exactly these values in every worker process (``false`` lowercase: LMCache compares
 #: the string, and anything else lets it phone home).
 REQUIRED_WORKER_ENV: Final = MappingProxyType(
