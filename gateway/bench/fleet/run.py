@@ -47,6 +47,7 @@ import report  # noqa: E402
 import scale  # noqa: E402
 import sizing  # noqa: E402
 
+from kvpool.gateway.fleetsim.bound import pooled_hit_ratio  # noqa: E402
 from kvpool.gateway.fleetsim.fleet import ORACLE, FleetConfig, FleetSim  # noqa: E402
 from kvpool.gateway.fleetsim.stats import json_safe, summarize  # noqa: E402
 from kvpool.gateway.traces.mooncake import (  # noqa: E402
@@ -229,7 +230,11 @@ def main() -> int:
     load_end = os.getloadavg()[0]
     scale_m = {} if args.no_scale else scale.measure_scale(s.quick, root / "scale")
     big = full_trace_1000(s.trace, PROFILE)
-    metrics, ratios = report.figures(plan, measured, sim, {**scale_m, **big})
+    bounds = {
+        "pooled_cache_hit_ratio": pooled_hit_ratio(requests, plan.fleet_config(profile)),
+        "window_ideal_hit_ratio": trace_stats(requests).ideal_hit_ratio,
+    }
+    metrics, ratios = report.figures(plan, measured, sim, {**scale_m, **big, **bounds})
     result = {
         "component": "fleet",
         "quick": s.quick,
