@@ -25,13 +25,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvpool.gateway.config import Guards
 from kvpool.gateway.fleetsim.fleet import FleetConfig, FleetSim
 from kvpool.gateway.fleetsim.keys import chunk_keys
 from kvpool.gateway.fleetsim.stats import summarize
 from kvpool.gateway.traces.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from kvpool.protocol.simcore.profile import GIB, PerfProfile
 
-PENDING_TTL_WALL_S = 2.0  # gateway.yaml guards.pendingTtlSeconds (default)
+PENDING_TTL_WALL_S = Guards().pending_ttl_seconds  # gateway.yaml's default
 INDEX_LAG_WALL_S = 0.02
 
 
@@ -63,7 +64,7 @@ class FleetPlan:
 
     def fleet_config(self, profile: PerfProfile, policy: str = "kv-aware") -> FleetConfig:
         """The simulator's fleet for this plan. The gateway's clocks run in wall time (its
-        pending-prefix TTL, 2 s; the index's lag behind an admit, about 20 ms: LMCache's
+        pending-prefix TTL, 30 s; the index's lag behind an admit, about 20 ms: LMCache's
         10 ms batching, the controller's publish, the replica's apply), so in model time they
         are those times x ``speedup``."""
         return FleetConfig(

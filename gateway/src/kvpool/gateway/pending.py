@@ -7,6 +7,16 @@ A burst of requests sharing one new prefix would, in that window, scatter over t
 prefill it N times. :class:`PendingPrefixes` remembers which instance each routed prompt's chunk
 hashes went to, so the next request of the burst follows the first.
 
+They stand for a second thing the index cannot see: the engine's own prefix cache on the device
+(vLLM's HBM blocks). LMCache reports its tiers (DDR, disk, remote) to the controller, never
+the device's, and where DDR is smaller than the device KV — or evicts sooner — an instance
+still holds on the device the prompts it computed a few dozen seconds ago while the index says
+it holds nothing. So an entry outlives the admit: ``ttl_s`` after the first byte (30 s by
+default, ``guards.pendingTtlSeconds``; about how long a busy device keeps a prompt). On the
+conversation trace's fleet benchmark (16 sim instances, DDR smaller than the device) 2 s gave
+kv-aware a simulated hit ratio of 0.11-0.15 against a pooled-cache bound of 0.23-0.27, 30 s
+0.18-0.23, with a lower TTFT p90, in each of three windows.
+
 At fleet scale a hot prefix (a shared system prompt) is pending on hundreds of instances at
 once, so the answer is built like the index's (:mod:`kvpool.protocol.index_groups`): per chunk
 hash, a bitmask of the instances with a live entry, and a lookup walks the prompt once, ANDing
@@ -55,7 +65,7 @@ class PendingPrefixes:
     holds a hash while any live prompt recorded for it does.
     """
 
-    def __init__(self, ttl_s: float = 2.0, max_entries: int = 200_000) -> None:
+    def __init__(self, ttl_s: float, max_entries: int = 200_000) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._names: list[str] = []

@@ -13,7 +13,7 @@ kv-aware (default)::
 
     H_i   = tier-weighted cached prefix tokens of instance i (weights per tier class from
             :mod:`kvpool.protocol.tiers`: device 1.0 > DDR 0.8 > P2P peer 0.6 > disk 0.5 >
-            remote 0.3; pending = routed here moments ago, not yet admitted: 0.8)
+            remote 0.3; pending = routed here, not yet admitted or still on the device: 0.8)
     L_i   = (queued prefill tokens_i + chunk_size * in-flight requests_i) * slow_i
     slow_i = recent TTFT of i / median recent TTFT of the pool, clipped to [0.5, 2]
     score = w_prefix * H_i - w_load * L_i           (w_* = the pool's spec.gateway.routing)

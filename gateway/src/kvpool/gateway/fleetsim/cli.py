@@ -64,7 +64,9 @@ def _fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--prefix-weight", type=float, default=1.0)
     p.add_argument("--load-weight", type=float, default=1.0)
-    p.add_argument("--pending-ttl", type=float, default=2.0, help="seconds (model time)")
+    p.add_argument(
+        "--pending-ttl", type=float, default=FleetConfig.pending_ttl_s, help="seconds (model time)"
+    )
     p.add_argument("--index-lag", type=float, default=0.05, help="admit -> index, seconds")
     p.add_argument("--p2p", action="store_true", help="instances pull from each other")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput's TTFT SLO")

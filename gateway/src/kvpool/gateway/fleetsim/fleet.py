@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.gateway.config import Guards as GuardsConfig
 from kvpool.gateway.config import parse_config
 from kvpool.gateway.fleetsim.keys import chunk_keys
 from kvpool.gateway.fleetsim.stats import RequestResult
@@ -71,7 +72,7 @@ class FleetConfig:
     load_weight: float = 1.0
     imbalance_abs: int = 8
     imbalance_ratio: float = 1.5
-    pending_ttl_s: float = 2.0
+    pending_ttl_s: float = GuardsConfig().pending_ttl_seconds  # wall = model seconds here
     index_lag_s: float = 0.05
     p2p: bool = False
     trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
