@@ -98,10 +98,14 @@ async def test_memory_api_evicts_a_session_for_real(client: httpx.AsyncClient) -
     assert unpinned["unpinned_tokens"] == CHUNK
     resident = (await client.post("/memory/prefetch", json={"text": PROMPT})).json()
     assert resident["resident_tokens"] == CHUNK
+    held = (await client.post("/memory/lookup", json={"text": PROMPT})).json()
+    assert held["cached_tokens"] == CHUNK and held["prefix_tokens"] >= CHUNK
     stats = (await client.get("/memory/stats")).json()
     assert stats["engine"]
     evicted = (await client.post("/memory/evict", json={"session_id": "s2"})).json()
     assert evicted["evicted_chunks"] >= 1
+    held = (await client.post("/memory/lookup", json={"text": PROMPT})).json()
+    assert held["cached_tokens"] == 0
     again = await complete(client, "s3")
     assert cached(again) == 0  # the KV really left the cache
 

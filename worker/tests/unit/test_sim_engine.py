@@ -180,6 +180,7 @@ def test_ddr_hits_after_the_device_forgot_and_memory_api(make_sim_engine: Make) 
         assert await eng.evict(token_ids=PROMPT, locations=["device"]) == 6
         again = await collect(eng, "b", PROMPT, 2)
         assert await eng.pin(PROMPT) == 96
+        assert await eng.lookup(PROMPT) == 96 and await eng.lookup([7, 7, 7]) == 0
         assert await eng.evict(token_ids=PROMPT, locations=["local_cpu"]) == 0
         assert await eng.unpin(PROMPT) == 96
         stats = eng.memory_stats()

@@ -107,6 +107,11 @@ class Engine(Protocol):
         evict events."""
         ...
 
+    async def lookup(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens of the prefix this worker's cache holds now, in any tier (reads
+        only: nothing is loaded, pinned or promoted)."""
+        ...
+
     async def prefetch(self, token_ids: Sequence[int]) -> int:
         """Bring the prefix's chunks from lower tiers (or a peer) into DDR. Returns tokens now
         resident in DDR."""

@@ -159,6 +159,13 @@ def build_memory_router(
         logger.info("memory evict %s from %s: %d chunks", body._given(), body.tiers or "all", n)
         return {"evicted_chunks": n, "tiers": body.tiers}
 
+    @router.post("/lookup")
+    async def lookup(body: PrefixSelector) -> dict[str, Any]:
+        """What this worker holds of a prefix now, whatever the controller indexes (the
+        gateway asks a refused instance this when it explains a miss)."""
+        tokens = tokens_of(body)
+        return {"prefix_tokens": len(tokens), "cached_tokens": await engine.lookup(tokens)}
+
     @router.post("/prefetch")
     async def prefetch(body: PrefixSelector) -> dict[str, Any]:
         tokens = tokens_of(body)

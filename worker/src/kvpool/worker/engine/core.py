@@ -482,6 +482,9 @@ class ReferenceEngine:
         offload = self.offload
         return 0 if offload is None else await self._compute.run(lambda: fn(offload))
 
+    async def lookup(self, token_ids: Sequence[int]) -> int:
+        return await self._on_offload(lambda o: o.lookup(token_ids))
+
     async def prefetch(self, token_ids: Sequence[int]) -> int:
         return await self._on_offload(lambda o: o.prefetch(token_ids))
 

@@ -443,6 +443,9 @@ class SimEngine:
             token_ids=token_ids, chunk_hashes=chunk_hashes, locations=locations
         )
 
+    async def lookup(self, token_ids: Sequence[int]) -> int:
+        return self.memory.lookup(token_ids)
+
     async def prefetch(self, token_ids: Sequence[int]) -> int:
         return self.memory.prefetch(token_ids)
 

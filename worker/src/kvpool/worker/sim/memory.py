@@ -119,6 +119,15 @@ class SimMemory:
         self._count("evicted_chunks", removed)
         return removed
 
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens whose chunks DDR or the disk holds (reads only)."""
+        held = 0
+        for key in self.keys(token_ids):
+            if not any(key in t for t in (self.inst.ddr, self.inst.disk)):
+                break
+            held += 1
+        return self._tokens(held, token_ids)
+
     def prefetch(self, token_ids: Sequence[int]) -> int:
         """Bring the prefix's chunks that only the disk holds into DDR; tokens now in DDR."""
         n, events = self.inst.prefetch(self.keys(token_ids))
