@@ -51,6 +51,14 @@ def bearer(headers: Mapping[str, str]) -> str | None:
     return headers.get("x-api-key")
 
 
+def same_secret(given: str, expected: str) -> bool:
+    """``given == expected`` in constant time. On bytes: ``hmac.compare_digest`` raises
+    TypeError for a str with a non-ASCII character, which a client can put in a header."""
+    return hmac.compare_digest(
+        given.encode("utf-8", "surrogateescape"), expected.encode("utf-8", "surrogateescape")
+    )
+
+
 StateDep = Annotated[GatewayState, Depends(get_state)]
 
 
@@ -64,7 +72,7 @@ def check_key(state: GatewayState, given: str | None, client_host: str | None) -
     and address, for the routes that read them without a ``Request``."""
     key = ""
     if state.api_keys:
-        if given is None or not any(hmac.compare_digest(given, k) for k in state.api_keys):
+        if given is None or not any(same_secret(given, k) for k in state.api_keys):
             state.metrics.rejections.labels("unauthorized").inc()
             raise GatewayError(
                 "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -126,13 +134,38 @@ def parse_object(raw: bytes) -> dict[str, Any]:
     try:
         data = _DECODE(raw)
     except msgspec.DecodeError:
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise bad_request("the request body is not valid JSON", code="invalid_json") from None
+        data = _decode_leniently(raw)
+    except RecursionError:
+        raise _too_deep() from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     return data
+
+
+def _decode_leniently(raw: bytes) -> Any:
+    """What msgspec refused, as the standard library reads it; 400 unless it is JSON whose
+    strings are text (a lone UTF-16 surrogate escape, ``"\\ud800"``, which msgspec refuses and
+    the standard library lets through, is no character: no tokenizer can encode it)."""
+    try:
+        data = json.loads(raw)
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # a ValueError: first
+        raise bad_request(
+            "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+            "pair), which is no character; send UTF-8 text",
+            code="invalid_json",
+        ) from None
+    except ValueError:  # UnicodeDecodeError too
+        raise bad_request("the request body is not valid JSON", code="invalid_json") from None
+    except RecursionError:
+        raise _too_deep() from None
+    return data
+
+
+def _too_deep() -> GatewayError:
+    return bad_request(
+        "the request body is nested too deeply; send a flatter JSON object", code="invalid_json"
+    )
 
 
 BodyDep = Annotated[dict[str, Any], Depends(read_json)]
