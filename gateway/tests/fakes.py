@@ -18,9 +18,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import uvicorn
+import zmq
+import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvpool.gateway.pd import ProxyNotif
 
 
 def bound_socket() -> socket.socket:
@@ -135,6 +140,34 @@ def fake_worker(script: Script) -> FastAPI:
     async def memory(action: str, body: dict[str, Any]) -> dict[str, Any]:
         script.memory_calls.append((action, body))
         return {"action": action, "worker": script.name}
+
+    return app
+
+
+def fake_pd_prefill(proxy_port: int) -> FastAPI:
+    """A PD pair's prefill worker: answers one token (``P``, first token 7) and, when the
+    request carries a disagg spec, notifies the gateway's ``proxy_port`` at once that the
+    transfer landed (LMCache's ``ProxyNotif``, one rank)."""
+    app = FastAPI()
+    ctx = zmq.asyncio.Context.instance()
+
+    @app.get("/readyz")
+    async def readyz() -> dict[str, str]:
+        return {"status": "ready"}
+
+    @app.post("/v1/completions")
+    async def prefill(body: dict[str, Any]) -> Response:
+        choice = {"index": 0, "text": "P", "finish_reason": "length"}
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1, "total_tokens": 0}
+        out: dict[str, Any] = {"choices": [choice], "usage": usage}
+        params = body.get("kv_transfer_params")
+        if params:
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(f"tcp://127.0.0.1:{proxy_port}")
+            await sock.send(msgspec.msgpack.encode(ProxyNotif(params["disagg_spec"]["req_id"])))
+            sock.close(linger=1000)
+            out["kv_transfer_params"] = {"first_tok": 7}
+        return JSONResponse(out)
 
     return app
 

@@ -51,6 +51,7 @@ async def readyz(state: StateDep) -> JSONResponse:
         "index": index,
         "instances": instances,
         "pd_pairs": sorted(state.pd.pairs),
+        "config": state.reconfig.describe(),
         "queued": state.admission.waiting,
         "inflight": state.admission.inflight,
     }

@@ -21,6 +21,7 @@ import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 
@@ -39,6 +40,7 @@ class ServeOptions:
     port: int
     log_level: str
     workers: int = 1
+    config_path: Path | None = None  # followed: a change is applied live (kvpool.gateway.live)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +95,8 @@ def settings_from_args(argv: Sequence[str]) -> tuple[GatewayConfig, ServeOptions
             f"{', '.join(p.name for p in config.pd_pairs)}, whose senders notify one proxy "
             "port; run one process (--workers 1)"
         )
-    return config, ServeOptions(args.host, args.port, args.log_level, workers)
+    options = ServeOptions(args.host, args.port, args.log_level, workers, Path(args.config))
+    return config, options
 
 
 def serve(config: GatewayConfig, options: ServeOptions) -> int:
@@ -109,7 +112,13 @@ def _serve_socket(config: GatewayConfig, options: ServeOptions, sock: socket.soc
     if sock is not None:  # a --workers process: its own logging, as main() sets it up
         _logging(options.log_level)
     env = GatewayEnv()
-    state = build_state(config, env, pd_bind_host=options.host)
+    state = build_state(
+        config,
+        env,
+        pd_bind_host=options.host,
+        config_path=options.config_path,
+        processes=options.workers,
+    )
     app = build_app(state)
     logging.getLogger(__name__).info(
         "kvpool-gateway serving %s on %s:%d (%s)",

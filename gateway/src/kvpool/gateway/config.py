@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -136,6 +136,26 @@ class GatewayConfig(_Model):
     guards: Guards = Guards()
     limits: Limits = Limits()
 
+    @model_validator(mode="after")
+    def _one_name_per_instance(self) -> GatewayConfig:
+        seen: dict[str, str] = {}
+        places = [
+            (f"p2pGroups[{g}].instances[{i}]", inst.name)
+            for g, group in enumerate(self.p2p_groups)
+            for i, inst in enumerate(group.instances)
+        ]
+        for p, pair in enumerate(self.pd_pairs):
+            places += [(f"pdPairs[{p}].prefill[{i}]", x.name) for i, x in enumerate(pair.prefill)]
+            places += [(f"pdPairs[{p}].decode[{i}]", x.name) for i, x in enumerate(pair.decode)]
+        for where, name in places:
+            if name in seen:
+                raise ValueError(
+                    f"{where}.name: instance {name!r} is listed twice (also {seen[name]}); "
+                    "give each instance its own name"
+                )
+            seen[name] = where
+        return self
+
     def peer_instances(self) -> list[InstanceRef]:
         return [inst for group in self.p2p_groups for inst in group.instances]
 
@@ -169,6 +189,9 @@ class GatewayEnv(BaseSettings):
         None,
         description="a file of API keys (the operator mounts the authSecretRef Secret there); "
         "read again whenever it changes (kvpool.gateway.apikeys)",
+    )
+    admin_token: SecretStr | None = Field(
+        None, description="turns the admin routes on (kvpool.gateway.api_admin); not rendered"
     )
     hash_seed: str | None = Field(None, validation_alias="PYTHONHASHSEED")
     pod_ip: str | None = Field(
@@ -207,7 +230,13 @@ def parse_config(data: Any, source: str = "gateway.yaml") -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:
-        problems = [f"{_where(e['loc'])}: {e['msg']}" for e in exc.errors()]
+        problems = [
+            # a check of the whole document names its own key
+            e["msg"].removeprefix("Value error, ")
+            if not e["loc"]
+            else f"{_where(e['loc'])}: {e['msg']}"
+            for e in exc.errors()
+        ]
         raise ConfigError(f"{source}: " + "; ".join(problems)) from None
 
 
@@ -218,8 +247,15 @@ def load_config(path: str | Path) -> GatewayConfig:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read the gateway config {p}: {exc.strerror}") from None
+    return parse_document(text, str(p))
+
+
+def parse_document(text: str | bytes, source: str = "gateway.yaml") -> GatewayConfig:
+    """A ``gateway.yaml`` document (YAML, or JSON: YAML reads it) parsed and validated."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
-    return parse_config(data, str(p))
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"{source}: nested too deeply to be a gateway.yaml") from None
+    return parse_config(data, source)

@@ -13,14 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import httpx
 
 from kvpool.gateway.config import GatewayConfig
 from kvpool.gateway.metrics import GatewayMetrics
+from kvpool.gateway.reconfig import InstanceFacts, instance_facts
 from kvpool.gateway.reliability import BreakerState, CircuitBreaker
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class Instance:
     group: str
     pulls: bool = False  # a P2P group member that can pull what its group's members hold
     frozen: bool = False  # its LMCache is in a full-sync freeze (its /readyz says): no stores
+    retired: bool = False  # no longer configured: requests in flight finish, no new ones
     last_error: str | None = None
     probe_failures: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
@@ -63,6 +66,16 @@ class Instance:
     def available(self, now: float) -> bool:
         return self._ready and self.breaker.available(now)
 
+    @property
+    def facts(self) -> InstanceFacts:
+        return InstanceFacts(self.name, self.url, self.role, self.group, self.pulls)
+
+    @classmethod
+    def of(cls, facts: InstanceFacts) -> Instance:
+        """A new instance (not ready until probed) from what the configuration says of it."""
+        role = cast(Role, facts.role)
+        return cls(facts.name, facts.url, role, facts.group, pulls=facts.pulls)
+
 
 class InstanceSet:
     """Every configured instance by name; which of them are *impaired* (not ready, or their
@@ -70,21 +83,50 @@ class InstanceSet:
     thousand-instance pool costs nothing while they are all healthy."""
 
     def __init__(self, instances: Iterable[Instance], clock: Callable[[], float] = time.monotonic):
-        self.by_name: dict[str, Instance] = {}
-        for inst in instances:
-            if inst.name in self.by_name:
-                raise ValueError(f"instance {inst.name!r} is listed twice in the gateway config")
-            self.by_name[inst.name] = inst
         self.clock = clock
+        self.by_name: dict[str, Instance] = {}
         self._impaired: set[Instance] = set()
         #: instances whose last probe said LMCache is frozen (a full sync after a controller
         #: restart): they answer, but store nothing; routing prefers the others meanwhile
         self.frozen: set[Instance] = set()
-        self._peers = [i for i in self.by_name.values() if i.role == "peer"]
-        for inst in self.by_name.values():
+        self._peers: list[Instance] = []
+        #: members removed by :meth:`replace` that a request in flight may still hold in a list
+        #: of candidates (kept while anything refers to them)
+        self._retired: weakref.WeakSet[Instance] = weakref.WeakSet()
+        #: bumped by every :meth:`replace`: caches of the members compare it
+        self.generation = 0
+        self._adopt(list(instances))
+
+    def _adopt(self, members: list[Instance]) -> None:
+        by_name: dict[str, Instance] = {}
+        for inst in members:
+            if inst.name in by_name:
+                raise ValueError(f"instance {inst.name!r} is listed twice in the gateway config")
+            by_name[inst.name] = inst
+        self.by_name = by_name
+        self._peers = [i for i in members if i.role == "peer"]
+        self._impaired = set()
+        self.frozen = {i for i in self.frozen if i.name in by_name and by_name[i.name] is i}
+        for inst in members:
             inst.on_change = self._refresh
             inst.breaker.on_change = lambda inst=inst: self._refresh(inst)
             self._refresh(inst)
+
+    def replace(self, members: Sequence[Instance]) -> list[Instance]:
+        """Make ``members`` the set (a live reconfiguration): the objects given stay as they are
+        (a kept instance keeps its readiness and breaker); every current member not among them
+        is retired — requests that hold it finish, no new request goes to it. Returns the
+        retired instances."""
+        keep = {id(i) for i in members}
+        retired = [i for i in self.by_name.values() if id(i) not in keep]
+        for inst in retired:
+            inst.retired = True
+            inst.on_change = None
+            inst.breaker.on_change = None
+            self._retired.add(inst)
+        self._adopt(list(members))
+        self.generation += 1
+        return retired
 
     def _refresh(self, inst: Instance) -> None:
         if inst.impaired:
@@ -94,16 +136,7 @@ class InstanceSet:
 
     @classmethod
     def from_config(cls, config: GatewayConfig) -> InstanceSet:
-        out: list[Instance] = []
-        for group in config.p2p_groups:
-            out += [
-                Instance(i.name, i.url.rstrip("/"), "peer", group.name, pulls=group.p2p)
-                for i in group.instances
-            ]
-        for pair in config.pd_pairs:
-            out += [Instance(i.name, i.url.rstrip("/"), "prefill", pair.name) for i in pair.prefill]
-            out += [Instance(i.name, i.url.rstrip("/"), "decode", pair.name) for i in pair.decode]
-        return cls(out)
+        return cls(Instance.of(facts) for facts in instance_facts(config))
 
     def __iter__(self) -> Iterator[Instance]:
         return iter(self.by_name.values())
@@ -123,11 +156,13 @@ class InstanceSet:
 
     def available(self, instances: Iterable[Instance]) -> Sequence[Instance]:
         """Those of ``instances`` a request may go to now (a list ``instances`` itself,
-        unchanged, when none of the set is impaired)."""
-        if not self._impaired:
+        unchanged, when none of the set is impaired and it holds no retired instance)."""
+        if not self._impaired and (instances is self._peers or not self._retired):
             return instances if isinstance(instances, list) else list(instances)
         now = self.clock()
-        return [i for i in instances if i not in self._impaired or i.available(now)]
+        return [
+            i for i in instances if not i.retired and (i not in self._impaired or i.available(now))
+        ]
 
     def any_ready(self) -> bool:
         return any(i.ready for i in self.by_name.values())

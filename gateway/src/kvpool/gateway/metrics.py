@@ -12,6 +12,7 @@ converts and locks on every lookup, which was a tenth of the request path's CPU.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -113,6 +114,24 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self.config_reloads = Counter(
+            "kvpool_gateway_config_reloads",
+            "New configurations (the mounted file changed, or an admin POST) by source and "
+            "outcome: applied, unchanged, invalid or restart_required (both: not applied)",
+            ["source", "outcome"],
+            registry=r,
+        )
+        self.config_generation = Gauge(
+            "kvpool_gateway_config_generation",
+            "Configurations applied since start (1: the one read at start)",
+            registry=r,
+        )
+        self.config_rejected = Gauge(
+            "kvpool_gateway_config_rejected",
+            "1 while the latest new configuration was not applied (invalid, or needs a restart): "
+            "the gateway serves with the one before",
+            registry=r,
+        )
         for metric in list(vars(self).values()):
             if isinstance(metric, Counter | Gauge | Histogram) and metric._labelnames:
                 _memoize_labels(metric)
@@ -134,6 +153,11 @@ class GatewayMetrics:
         self.registry.register(
             _ScrapeGauge("kvpool_gateway_inflight", "Requests in flight upstream", inflight)
         )
+
+    def forget_instance(self, name: str) -> None:
+        """An instance left the configuration: its readiness is no longer exported (its
+        counters stay, ending where they were)."""
+        _forget(self.instance_ready, (name,))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -158,9 +182,10 @@ class _ScrapeGauge(Collector):
 
 def _memoize_labels(metric: Counter | Gauge | Histogram) -> None:
     """``metric.labels(*values)`` answered from a dict after the first lookup of ``values``
-    (the gateway never removes a child, so a kept child stays the registry's)."""
+    (a child is removed only through :func:`_forget`, which drops it from the dict too)."""
     plain = metric.labels
     children: dict[tuple[Any, ...], Any] = {}
+    setattr(metric, "_kvpool_children", children)  # noqa: B010 -- read by _forget
 
     def labels(*values: Any, **named: Any) -> Any:
         if named:
@@ -171,3 +196,10 @@ def _memoize_labels(metric: Counter | Gauge | Histogram) -> None:
         return child
 
     setattr(metric, "labels", labels)  # noqa: B010 -- an instance attribute over the method
+
+
+def _forget(metric: Counter | Gauge | Histogram, values: tuple[str, ...]) -> None:
+    """Remove one child of a memoised metric (from the registry and from the memo)."""
+    getattr(metric, "_kvpool_children", {}).pop(values, None)
+    with contextlib.suppress(KeyError):  # never exported
+        metric.remove(*values)

@@ -37,7 +37,7 @@ import contextlib
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +163,13 @@ class DecodeTarget:
         }
 
 
+def _port_of(sock: zmq.asyncio.Socket) -> int:
+    """The TCP port a bound socket listens on."""
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    text = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+    return int(text.rsplit(":", 1)[1])
+
+
 class PDCoordinator:
     """Owns one PULL socket per PD pair and the transfer waits."""
 
@@ -197,11 +204,16 @@ class PDCoordinator:
 
     async def start(self) -> None:
         """Bind every pair's PULL socket before any prefill can be sent."""
-        if not self.pairs:
-            return
-        self._ctx = zmq.asyncio.Context()
-        ports = sorted({p.proxy_port for p in self.pairs.values()})
+        self.bind_ports(self.pairs.values())
+
+    def bind_ports(self, pairs: Iterable[PDPairConfig]) -> None:
+        """A PULL socket on each proxy port of ``pairs`` not bound yet (a live reconfiguration
+        binds a new pair's port before it routes to it); ``OSError`` naming a port that cannot
+        be bound (those bound before it stay, unused until a pair names them)."""
+        ports = sorted({p.proxy_port for p in pairs} - set(self.bound.values()))
         for port in ports:
+            if self._ctx is None:
+                self._ctx = zmq.asyncio.Context()
             sock = self._ctx.socket(zmq.PULL)
             sock.setsockopt(zmq.LINGER, 0)
             try:
@@ -214,8 +226,34 @@ class PDCoordinator:
                 ) from None
             self._sockets.append(sock)
             self.bound[str(port)] = port
-            self._tasks.append(asyncio.create_task(self._receive(sock, port)))
-        logger.info("PD proxy listening for transfer-done on %s ports %s", self.bind_host, ports)
+            receive = asyncio.create_task(self._receive(sock, port), name=f"pd-receive-{port}")
+            self._tasks.append(receive)
+        if ports:
+            logger.info(
+                "PD proxy listening for transfer-done on %s ports %s", self.bind_host, ports
+            )
+
+    def use_pairs(self, pairs: Sequence[PDPairConfig]) -> None:
+        """Route to ``pairs`` from now on (their ports bound first by :meth:`bind_ports`). The
+        port of a pair no longer listed is closed after the transfer timeout, by when every
+        transfer in flight through it has landed or timed out."""
+        self.pairs = {p.name: p for p in pairs}
+        self.targets = {d.name: DecodeTarget.of(d) for p in pairs for d in p.decode}
+        for port in set(self.bound.values()) - {p.proxy_port for p in pairs}:
+            self._tasks.append(asyncio.create_task(self._close_later(port)))
+
+    async def _close_later(self, port: int) -> None:
+        await asyncio.sleep(self.transfer_timeout_s)
+        if port in {p.proxy_port for p in self.pairs.values()} or str(port) not in self.bound:
+            return  # named again meanwhile, or closed already
+        del self.bound[str(port)]
+        for task in [t for t in self._tasks if t.get_name() == f"pd-receive-{port}"]:
+            task.cancel()
+            self._tasks.remove(task)
+        for sock in [s for s in self._sockets if _port_of(s) == port]:
+            sock.close(linger=0)
+            self._sockets.remove(sock)
+        logger.info("PD proxy port %d closed (no pair names it)", port)
 
     async def _receive(self, sock: zmq.asyncio.Socket, port: int) -> None:
         while True:

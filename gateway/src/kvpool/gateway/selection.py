@@ -94,7 +94,7 @@ class Selector:
     chunk_size: int
     clock: Callable[[], float] = time.monotonic
     _columns: _PoolColumns | None = None
-    _puller_groups: tuple[InstanceSet, dict[str, str]] | None = None
+    _puller_groups: tuple[InstanceSet, int, dict[str, str]] | None = None
 
     async def hits(self, prompt: Prompt) -> Hits:
         if self.index is None:
@@ -204,10 +204,11 @@ class Selector:
         """Name -> P2P group of every configured instance that can pull from its group (the
         configuration's; kept for this instance set)."""
         cached = self._puller_groups
-        if cached is None or cached[0] is not self.instances:
+        version = self.instances.generation  # a live reconfiguration changes the members
+        if cached is None or cached[0] is not self.instances or cached[1] != version:
             groups = {i.name: i.group for i in self.instances if i.pulls}
-            cached = self._puller_groups = (self.instances, groups)
-        return cached[1]
+            cached = self._puller_groups = (self.instances, version, groups)
+        return cached[2]
 
     def _group_best(self, hits: dict[str, PrefixHit]) -> dict[str, int]:
         """Per P2P group, the longest prefix one of its peers holds (one pass over the hits,

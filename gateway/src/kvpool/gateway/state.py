@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +27,7 @@ from kvpool.gateway.drain import Drain
 from kvpool.gateway.filewatch import FileWatch, watch
 from kvpool.gateway.index_client import IndexClient
 from kvpool.gateway.instances import InstanceSet, health_loop, probe_all
+from kvpool.gateway.live import Reconfigurer
 from kvpool.gateway.load import LoadTracker
 from kvpool.gateway.memory import SessionMemory
 from kvpool.gateway.metrics import GatewayMetrics
@@ -34,8 +36,8 @@ from kvpool.gateway.pd_flow import PDFlow
 from kvpool.gateway.pending import PendingPrefixes
 from kvpool.gateway.prompts import Encoder, encoder_for
 from kvpool.gateway.proxy import Proxy
+from kvpool.gateway.reconfig import router_for
 from kvpool.gateway.reliability import BreakerState, KeyedBuckets
-from kvpool.gateway.routing import Guards, PolicySettings, Router, make_policy
 from kvpool.gateway.selection import Selector
 from kvpool.gateway.upstream import Upstream
 from kvpool.protocol.hashing import chunk_hashes
@@ -71,6 +73,8 @@ class GatewayState:
     #: seconds between looks at the API key file (``KVPOOL_GATEWAY_AUTH_TOKEN_FILE``)
     key_poll_s: float = 2.0
     started_at: float = field(default_factory=time.monotonic)
+    #: applies new configurations to this state (``live``); set by :func:`build_state`
+    reconfig: Reconfigurer = field(init=False)
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
     async def start(self) -> None:
@@ -88,6 +92,8 @@ class GatewayState:
             )
         )
         self._tasks.append(asyncio.create_task(self.index.run(), name="index"))
+        if self.reconfig.path is not None:  # the mounted gateway.yaml, applied when it changes
+            self._tasks.append(asyncio.create_task(self.reconfig.watch(), name="config"))
         self._watch_keys()
         await self.pd.start()
         logger.info(
@@ -134,8 +140,12 @@ def build_state(
     *,
     encoder: Encoder | None = None,
     pd_bind_host: str = "0.0.0.0",
+    config_path: Path | None = None,
+    processes: int = 1,
 ) -> GatewayState:
-    """Wire every part from the configuration (no I/O until :meth:`GatewayState.start`)."""
+    """Wire every part from the configuration (no I/O until :meth:`GatewayState.start`);
+    ``config_path``: the file it was read from, applied again whenever it changes (``live``);
+    ``processes``: the gateway processes serving the port (``serve --workers``)."""
     env = env or GatewayEnv()
     limits = config.limits
     metrics = GatewayMetrics()
@@ -161,10 +171,7 @@ def build_state(
         limits.health_interval_seconds,
         limits.lookup_timeout_seconds,
     )
-    guards = Guards(config.guards.imbalance_abs, config.guards.imbalance_ratio)
-    weights = config.routing.weights
-    settings = PolicySettings(weights.prefix_hit, weights.load, guards)
-    router = Router(make_policy(config.routing.policy, settings), guards)
+    router = router_for(config)
     load = LoadTracker()
     metrics.watch_inflight(lambda: ((i.name, float(load.load(i.name).inflight)) for i in instances))
     selector = Selector(
@@ -192,7 +199,7 @@ def build_state(
         limits.pd_transfer_timeout_seconds,
         env.pod_ip,
     )
-    return GatewayState(
+    state = GatewayState(
         config=config,
         env=env,
         metrics=metrics,
@@ -213,3 +220,5 @@ def build_state(
         buckets=KeyedBuckets(rate.requests_per_second, rate.burst) if rate else None,
         drain=Drain(limits.drain_timeout_seconds, limits.drain_min_seconds),
     )
+    state.reconfig = Reconfigurer(state, config_path, processes=processes)
+    return state
