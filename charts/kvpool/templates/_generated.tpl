@@ -55,6 +55,15 @@
 - apiGroups:
   - ''
   resources:
+  - secrets
+  verbs:
+  - list
+  - create
+  - patch
+  - delete
+- apiGroups:
+  - ''
+  resources:
   - services
   verbs:
   - list

@@ -33,6 +33,8 @@ PLURALS = {
     "Pod": "api/v1/namespaces/{ns}/pods",
     "StatefulSet": "apis/apps/v1/namespaces/{ns}/statefulsets",
     "ConfigMap": "api/v1/namespaces/{ns}/configmaps",
+    "Deployment": "apis/apps/v1/namespaces/{ns}/deployments",
+    "Secret": "api/v1/namespaces/{ns}/secrets",
     "PodDisruptionBudget": "apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "NetworkPolicy": "apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
 }

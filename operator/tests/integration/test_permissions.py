@@ -69,6 +69,8 @@ async def test_every_request_is_granted_and_every_grant_is_used(
     )
     await client.patch("PodDisruptionBudget", "demo-p2p", {"spec": {"maxUnavailable": 5}})
     await client.patch("NetworkPolicy", "demo-p2p", {"spec": {"policyTypes": ["Egress"]}})
+    # a token Secret that cannot be read: the next pass writes a new token over it
+    await client.patch("Secret", "demo-controller-token", {"data": {"token": "!not-base64"}})
     await client.patch("KVCachePool", "demo", {"spec": {"hashSeed": "9"}})  # rolls every workload
     await eventually(lambda: one(apiserver, PDB, "demo-p2p")["spec"]["maxUnavailable"] == 1)
     await eventually(lambda: one(apiserver, NP, "demo-p2p")["spec"]["policyTypes"] == ["Ingress"])

@@ -15,6 +15,7 @@ from typing import Any
 
 import helm_python as helm
 import kubernetes_validate
+import op_builders
 import pytest
 import yaml
 from op_builders import EXAMPLES, REPO
@@ -220,10 +221,11 @@ def test_cert_manager_mode_wires_certificate_and_webhooks_to_the_handlers_paths(
     assert {"secretName": cert["spec"]["secretName"]} in [v.get("secret") for v in volumes]
 
 
-def test_network_policies_keep_domains_internal_and_let_the_operator_in() -> None:
+def test_network_policies_admit_the_domain_and_the_operator_only() -> None:
     """The chart's policy guards the operator pod; the operator renders each domain's policies
-    (controller and workers: own namespace only; the operator's pods on the controller's HTTP
-    API), and those match the labels the chart gives the operator's pods."""
+    (controller and workers: the domain's own pods; the operator's pods on the controller's
+    HTTP API), whose peers match exactly the labels of the domain's pods and of the chart's
+    operator pod."""
     docs = _render({})
     chart_policy = _one(docs, "NetworkPolicy")
     operator_pod = _one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
@@ -232,7 +234,7 @@ def test_network_policies_keep_domains_internal_and_let_the_operator_in() -> Non
     assert network.OPERATOR_POD_LABELS.items() <= operator_pod.items()
 
     domain = load_text((EXAMPLES / "cpu-demo.yaml").read_text(), "cpu-demo").domains()[0]
-    objects = render_domain(domain.pool, domain.members)
+    objects = render_domain(domain.pool, domain.members, operator_namespace=NAMESPACE)
     policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "NetworkPolicy"}
     assert set(policies) == {"demo-controller", "demo-p2p", "demo-pd"}
     pods = [
@@ -241,16 +243,76 @@ def test_network_policies_keep_domains_internal_and_let_the_operator_in() -> Non
         if o["kind"] in ("Deployment", "StatefulSet")
     ]
 
-    def selected(policy: dict[str, Any]) -> list[str]:
-        want = policy["spec"]["podSelector"]["matchLabels"].items()
+    def matched(selector: dict[str, Any]) -> list[str]:
+        want = selector["matchLabels"].items()
         return sorted({p["kvpool.io/component"] for p in pods if want <= p.items()})
 
-    assert selected(policies["demo-controller"]) == ["controller"]
-    assert selected(policies["demo-p2p"]) == selected(policies["demo-pd"]) == ["worker"]
+    assert matched(policies["demo-controller"]["spec"]["podSelector"]) == ["controller"]
+    for name in ("demo-p2p", "demo-pd"):
+        assert matched(policies[name]["spec"]["podSelector"]) == ["worker"]
+    domain_pods = {
+        "podSelector": {
+            "matchLabels": {
+                "app.kubernetes.io/managed-by": "kvpool-operator",
+                "app.kubernetes.io/name": "kvpool",
+                "kvpool.io/pool": "demo",
+            }
+        }
+    }
+    # every pod of the domain (the gateway among them), and no other pod of the namespace
+    assert matched(domain_pods["podSelector"]) == ["controller", "gateway", "worker"]
     for policy in policies.values():
-        assert policy["spec"]["ingress"][0] == {"from": [{"podSelector": {}}]}
-    operator_rule = policies["demo-controller"]["spec"]["ingress"][1]
-    assert operator_rule["ports"] == [{"port": 9000, "protocol": "TCP"}]
+        assert policy["spec"]["ingress"][0] == {"from": [domain_pods]}
+    assert policies["demo-controller"]["spec"]["ingress"][1:] == [
+        {
+            "from": [
+                {
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}
+                    },
+                    "podSelector": {"matchLabels": network.OPERATOR_POD_LABELS},
+                }
+            ],
+            "ports": [{"port": 9000, "protocol": "TCP"}],
+        }
+    ]
+    for name in ("demo-p2p", "demo-pd"):
+        assert len(policies[name]["spec"]["ingress"]) == 1  # the operator has no business there
+    # the gateway is the front door: no policy selects it
+    assert all(
+        not {"kvpool.io/component": "gateway"}.items()
+        >= p["spec"]["podSelector"]["matchLabels"].items()
+        for p in policies.values()
+    )
+
+
+def test_host_network_members_open_the_worker_facing_controller_ports_only() -> None:
+    """A hostNetwork worker reaches the controller from its node's address, which no pod
+    selector matches: the controller's pull, reply and heartbeat ports admit any source then
+    (the allowlist of instance ids guards registration); its HTTP API, PUB and snapshot ports
+    do not. Without a known operator namespace, the operator peer is any namespace."""
+    the_pool = op_builders.pool()
+    objects = render_domain(the_pool, [op_builders.p2p(hostNetwork=True)])
+    ctl = next(
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "pool-controller"
+    )
+    ports = the_pool.spec.controller.ports
+    assert ctl["spec"]["ingress"][1]["from"][0]["namespaceSelector"] == {}
+    assert ctl["spec"]["ingress"][2] == {
+        "ports": [
+            {"port": port, "protocol": "TCP"} for port in (ports.pull, ports.reply, ports.heartbeat)
+        ]
+    }
+    plain = load_text((EXAMPLES / "cpu-demo.yaml").read_text(), "cpu-demo").domains()[0]
+    assert not any(m.spec.host_network for m in plain.members)
+    policy = next(
+        o
+        for o in render_domain(plain.pool, plain.members)
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "demo-controller"
+    )
+    assert len(policy["spec"]["ingress"]) == 2
 
 
 def test_notes_tell_the_next_steps() -> None:

@@ -25,6 +25,8 @@ from kvpool.operator.local.stack import pid_alive
 from kvpool.operator.local.up import render_files
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "cpu-demo.yaml"
+#: The controller's API token, which a cluster keeps in the domain's Secret (up: a fresh value).
+SECRETS = {("demo-controller-token", "token"): "s3cret"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def test_rewrite_touches_only_cluster_provided_values(
 ) -> None:
     cmap = ls.cluster_map(objects, _ports())
     for name, w in ls.workloads(objects).items():
-        lw = ls.localize(w, cmap, tmp_path)
+        lw = ls.localize(w, cmap, tmp_path, SECRETS)
         changes = ls.check_rewrite(w, lw, cmap)
         assert changes, name
         assert all(v == ls.LOOPBACK or not v.startswith("0.0.0.0") for v in lw.argv)
@@ -84,7 +86,7 @@ def test_gateway_routing_config_reaches_local_workers(
     for name, url in urls.items():
         port = ls.localize(loads[name], cmap, tmp_path).ports["http"]
         assert url == f"http://{ls.LOOPBACK}:{port}"
-    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path)
+    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path, SECRETS)
     assert cfg["controllerUrl"] == f"http://{ls.LOOPBACK}:{ctl.ports['http']}"
 
 
@@ -93,7 +95,7 @@ def test_worker_and_controller_addresses_meet_on_the_same_local_sockets(
 ) -> None:
     cmap = ls.cluster_map(objects, _ports())
     loads = ls.workloads(objects)
-    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path)
+    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path, SECRETS)
     monitor = json.loads(ctl.argv[ctl.argv.index("--monitor-ports") + 1])
     assert monitor["pull"] == ctl.ports["pull"] and monitor["reply"] == ctl.ports["reply"]
     assert ctl.argv[ctl.argv.index("--port") + 1] == str(ctl.ports["http"])
@@ -177,7 +179,7 @@ def test_a_redis_the_pool_names_is_one_local_service_for_every_reader(tmp_path: 
     cmap = ls.cluster_map(objects, _ports(), services)
     port = cmap.external[("kv-redis", 6379)]
     loads = ls.workloads(objects)
-    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path)
+    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path, SECRETS)
     assert ctl.argv[ctl.argv.index("--redis-url") + 1] == f"redis://{ls.LOOPBACK}:{port}/1"
     ls.check_rewrite(loads["demo-controller"], ctl, cmap)
     wrk = ls.localize(loads["demo-p2p-0"], cmap, tmp_path)

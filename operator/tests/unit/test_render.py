@@ -26,11 +26,18 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
 
 
+#: What the runtime adds to a render (the token it generates once, its own namespace), fixed.
+RUNTIME_INPUTS: dict[str, Any] = {
+    "api_token": "golden-token",
+    "operator_namespace": "kvpool-system",
+}
+
+
 def _render_file(path: Path) -> list[dict[str, Any]]:
     loaded = load_text(path.read_text(), path.name)
     domains = loaded.domains()
     assert not loaded.errors, loaded.errors
-    return [o for d in domains for o in render_domain(d.pool, d.members)]
+    return [o for d in domains for o in render_domain(d.pool, d.members, **RUNTIME_INPUTS)]
 
 
 def _pods(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:

@@ -113,7 +113,11 @@ def test_a_domain_never_mixes_vllm_and_reference_engines() -> None:
 def test_the_controller_hashes_like_the_engines() -> None:
     def controller_command(*members: P2PGroup | PDPair) -> list[str]:
         objects = render_domain(pool(), list(members))
-        deployment = next(o for o in objects if o["metadata"]["name"] == "pool-controller")
+        deployment = next(
+            o
+            for o in objects
+            if o["metadata"]["name"] == "pool-controller" and o["kind"] == "Deployment"
+        )
         command: list[str] = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
         return command
 

@@ -23,13 +23,24 @@ ANNOTATION_ROLLOUT = "kvpool.io/domain-rollout-hash"
 ANNOTATION_FINGERPRINT = "kvpool.io/domain-fingerprint"
 ANNOTATION_CONFIG = "kvpool.io/config-hash"  # the mounted config: a change restarts the pod
 
+ANNOTATION_TOKEN = "kvpool.io/api-token-hash"  # a new controller API token restarts it
+
 LMCACHE_CONFIG_DIR = "/etc/kvpool/lmcache"
 LMCACHE_CONFIG_FILE = f"{LMCACHE_CONFIG_DIR}/lmcache.yaml"
+#: The controller's allowlist of instance ids (its ConfigMap, mounted; --instances-file).
+CONTROLLER_CONFIG_DIR = "/etc/kvpool/controller"
+INSTANCES_KEY = "instances.yaml"
+CONTROLLER_INSTANCES_FILE = f"{CONTROLLER_CONFIG_DIR}/{INSTANCES_KEY}"
 
 
 def controller_name(pool: KVCachePool) -> str:
     """Deployment and Service name of the pool's controller."""
     return f"{pool.metadata.name}-controller"
+
+
+def controller_token_name(pool: KVCachePool) -> str:
+    """Secret holding the domain's controller API token (the operator generates it once)."""
+    return f"{pool.metadata.name}-controller-token"
 
 
 def gateway_name(pool: KVCachePool) -> str:

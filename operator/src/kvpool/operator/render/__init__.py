@@ -22,14 +22,20 @@ def render_domain(
     pool: KVCachePool,
     members: list[P2PGroup | PDPair],
     ready_pd_pairs: frozenset[str] | None = None,
+    *,
+    api_token: str | None = None,
+    operator_namespace: str | None = None,
 ) -> list[Obj]:
     """The pool's own objects followed by every member's, members sorted by kind and name.
 
     ``ready_pd_pairs``: the PDPairs whose prefill and decode sides are ready (observed by the
     operator); only those are announced to the gateway. None (the CLI's dry run) announces all.
+    ``api_token``: the domain's controller API token (the operator generates it once and keeps
+    it in its Secret); None renders no Secret (a dry run; ``up`` makes a value of its own).
+    ``operator_namespace``: where the operator's pods run (its NetworkPolicy peer); None: any.
     """
     ordered = sorted(members, key=lambda m: (m.kind, m.metadata.name))
-    out = pool_objects(pool, ordered, ready_pd_pairs)
+    out = pool_objects(pool, ordered, ready_pd_pairs, api_token, operator_namespace)
     for member in ordered:
         out.extend(member_objects(pool, member))
     return out

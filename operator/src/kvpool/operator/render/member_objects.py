@@ -252,5 +252,5 @@ def member_objects(pool: KVCachePool, member: P2PGroup | PDPair) -> list[Obj]:
         }
     )
     out.append(k8s.pdb(name, ns, base_labels, 1))
-    out.append(network.internal_only(name, ns, base_labels, base_labels))
+    out.append(network.worker_policy(pool, name, base_labels))
     return out

@@ -6,17 +6,21 @@ fingerprint as the workers and the same rollout hash, so a domain change restart
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from typing import Any
 
 from kvpool.operator.api.members import P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.derive import names
-from kvpool.operator.derive.instances import instance_url
+from kvpool.operator.derive.instances import instance_url, member_instances
 from kvpool.operator.derive.platform import hashes_like_vllm, pd_sender_pull
 from kvpool.operator.derive.ports import p2p_ports, pd_ports
 from kvpool.operator.render import k8s, network
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
+from kvpool.protocol.domain import instance_id
+from kvpool.protocol.http_api import CONTROLLER_TOKEN_ENV, CONTROLLER_TOKEN_KEY, instances_body
 
 Obj = k8s.Obj
 
@@ -40,9 +44,47 @@ def domain_configmap(pool: KVCachePool) -> Obj:
     )
 
 
-def controller_objects(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list[Obj]:
+def instance_ids(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> list[str]:
+    """The ``lmcache_instance_id`` of every instance the members render, sorted: what the
+    controller lets register (and what a member's finalizer deregisters)."""
+    fp = pool_fingerprint(pool)
+    return sorted(instance_id(i.name, fp) for m in members for i in member_instances(m))
+
+
+def controller_access(
+    pool: KVCachePool, members: list[P2PGroup | PDPair], api_token: str | None
+) -> list[Obj]:
+    """The controller's allowlist ConfigMap (every instance id of the domain, mounted as its
+    ``--instances-file``) and, when the token is given, the Secret holding its API token
+    (generated once by the operator and read back from this Secret ever after)."""
+    ns = pool.metadata.namespace
+    labels = names.pool_labels(pool, "controller")
+    allowed = k8s.config_text(instances_body(instance_ids(pool, members)))
+    out = [k8s.configmap(names.controller_name(pool), ns, labels, {names.INSTANCES_KEY: allowed})]
+    if api_token is not None:
+        token = base64.b64encode(api_token.encode()).decode()
+        out.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": k8s.meta(names.controller_token_name(pool), ns, labels),
+                "type": "Opaque",
+                "data": {CONTROLLER_TOKEN_KEY: token},
+            }
+        )
+    return out
+
+
+def controller_objects(
+    pool: KVCachePool,
+    members: list[P2PGroup | PDPair],
+    api_token: str | None = None,
+    operator_namespace: str | None = None,
+) -> list[Obj]:
     """Controller Deployment and Service; flags mirror lmcache_controller's (``--vllm`` when the
-    domain's engines are vLLM, so its token lookups hash like them)."""
+    domain's engines are vLLM, so its token lookups hash like them), plus the allowlist of
+    instance ids it mounts and the API token it reads from the domain's Secret
+    (``controller_access``), and its NetworkPolicy."""
     spec = pool.spec.controller
     ns = pool.metadata.namespace
     name = names.controller_name(pool)
@@ -76,6 +118,8 @@ def controller_objects(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> l
         pool.spec.hash_algorithm,
         "--persistence",
         spec.persistence.mode,
+        "--instances-file",
+        names.CONTROLLER_INSTANCES_FILE,
     ]
     if spec.persistence.redis_url:
         command += ["--redis-url", spec.persistence.redis_url]
@@ -89,24 +133,45 @@ def controller_objects(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> l
         "pub": ports.pub,
         "snapshot": ports.snapshot,
     }
+    token_env = {
+        "name": CONTROLLER_TOKEN_ENV,
+        "valueFrom": {
+            "secretKeyRef": {"name": names.controller_token_name(pool), "key": CONTROLLER_TOKEN_KEY}
+        },
+    }
     pod: Obj = {
         "containers": [
-            k8s.container(
-                "controller",
-                pool.spec.images.controller,
-                command,
-                k8s.domain_env(pool),
-                port_map,
-                k8s.resources(spec.resources),
-                k8s.http_probe(ports.http, "/readyz"),
-            )
+            {
+                **k8s.container(
+                    "controller",
+                    pool.spec.images.controller,
+                    command,
+                    [*k8s.domain_env(pool), token_env],
+                    port_map,
+                    k8s.resources(spec.resources),
+                    k8s.http_probe(ports.http, "/readyz"),
+                ),
+                "volumeMounts": [
+                    {"name": "access", "mountPath": names.CONTROLLER_CONFIG_DIR, "readOnly": True}
+                ],
+            }
         ],
+        # The allowlist is re-read when the kubelet updates it: its changes restart nothing.
+        "volumes": [{"name": "access", "configMap": {"name": name}}],
         **k8s.placement(pool.spec.placement),
     }
+    annotations = k8s.pod_annotations(pool)
+    if api_token is not None:  # a new token (its Secret deleted) restarts the controller
+        digest = hashlib.sha256(api_token.encode()).hexdigest()[:16]
+        annotations[names.ANNOTATION_TOKEN] = digest
+    host_network = any(m.spec.host_network for m in members)
     return [
-        k8s.deployment(name, ns, labels, spec.replicas, pod, k8s.pod_annotations(pool)),
+        *controller_access(pool, members, api_token),
+        k8s.deployment(name, ns, labels, spec.replicas, pod, annotations),
         k8s.service(name, ns, labels, port_map),
-        network.controller_policy(pool, name, labels),
+        network.controller_policy(
+            pool, name, labels, host_network=host_network, operator_namespace=operator_namespace
+        ),
     ]
 
 
@@ -321,11 +386,14 @@ def pool_objects(
     pool: KVCachePool,
     members: list[P2PGroup | PDPair],
     ready_pd_pairs: frozenset[str] | None = None,
+    api_token: str | None = None,
+    operator_namespace: str | None = None,
 ) -> list[Obj]:
-    """Every object the pool itself owns (``ready_pd_pairs``: see gateway_objects)."""
+    """Every object the pool itself owns (``ready_pd_pairs``: see gateway_objects;
+    ``api_token``, ``operator_namespace``: see controller_objects)."""
     return [
         domain_configmap(pool),
-        *controller_objects(pool, members),
+        *controller_objects(pool, members, api_token, operator_namespace),
         *gateway_objects(pool, members, ready_pd_pairs),
         *mooncake_objects(pool),
     ]

@@ -10,19 +10,20 @@ passed in, so tests run several operators (a restart) in one process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-import aiohttp
 import kopf
 
 from kvpool.operator.api import kinds
 from kvpool.operator.api.common import GROUP, VERSION
 from kvpool.operator.derive import names
 from kvpool.operator.runtime import admission, kube, permissions, plan, reconcile
+from kvpool.operator.runtime.controller_api import ControllerApi
 from kvpool.operator.runtime.figures import FiguresPoller
 from kvpool.operator.runtime.metrics import Metrics
 from kvpool.operator.runtime.settings import OperatorSettings
@@ -82,6 +83,8 @@ class Runtime:
         metrics = Metrics()
         source = IndexSource()
         reconciler = reconcile.Reconciler(client, source, _adopt, metrics)
+        reconciler.controller = ControllerApi(settings)
+        reconciler.operator_namespace = settings.operator_namespace
 
         def request_pass(namespace: str, pool: str) -> Awaitable[plan.Plan]:
             return reconciler.reconcile(namespace, pool, settle=False)
@@ -113,22 +116,15 @@ async def _deregister(rt: Runtime, member: Obj) -> None:
     pool = rt.source.pool(ns, kinds.pool_ref(member))
     if pool is None:
         return
-    target = plan.deregistration(pool, member)
+    # the domain's token Secret (the deregistration route needs it)
+    secrets = await rt.client.list("Secret", ns, plan.domain_selector(kinds.pool_ref(member)))
+    children = [{**obj, "kind": "Secret"} for obj in secrets]
+    target = plan.deregistration(pool, member, children)
     if target is None:
         return
-    url = rt.settings.controller_url.format(service=target.service, namespace=ns, port=target.port)
-    timeout = aiohttp.ClientTimeout(total=rt.settings.controller_timeout)
-    failed: list[str] = []
-    # trust_env: an HTTP proxy in the pod's environment (a cluster's egress proxy, or the
-    # service proxy of `kvpool-operator cluster`) is used, as Go clients do; NO_PROXY exempts.
-    async with aiohttp.ClientSession(timeout=timeout, trust_env=True) as http:
-        for iid in target.instance_ids:
-            try:
-                async with http.post(f"{url}/v1/deregister", json={"instance_id": iid}) as resp:
-                    if resp.status >= 400:
-                        failed.append(f"{iid}: HTTP {resp.status}")
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                failed.append(f"{iid}: {exc.__class__.__name__} {exc}")
+    api = ControllerApi(rt.settings)
+    url = api.url(ns, target.target)
+    failed = await api.deregister(ns, target)
     if failed:
         rt.metrics.failed(member["kind"], "deregister")
         message = (
@@ -152,6 +148,8 @@ async def drift_loop(rt: Runtime) -> None:
         for namespace, name in rt.source.pool_keys():
             try:
                 await rt.reconciler.reconcile(namespace, name, settle=False)
+            except reconcile.AllowlistPendingError:
+                continue  # logged by the pass; the domain's own handler retries it
             except Exception:  # one failing domain must not stop the checks of the others
                 log.exception("drift check of %s/%s failed", namespace, name)
 
@@ -222,7 +220,8 @@ class Handlers:
         key = (kw["namespace"], kw["name"])
         if rt.sts_ready.get(key, False) != ready and labels.get(names.LABEL_POOL):
             rt.sts_ready[key] = ready
-            await rt.reconciler.reconcile(kw["namespace"], labels[names.LABEL_POOL])
+            with contextlib.suppress(reconcile.AllowlistPendingError):  # logged; retried elsewhere
+                await rt.reconciler.reconcile(kw["namespace"], labels[names.LABEL_POOL])
 
     async def validate(self, **kw: Any) -> None:
         """The admission webhook: review the operation against the domain as indexed."""

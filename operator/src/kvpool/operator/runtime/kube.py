@@ -52,6 +52,7 @@ class Kind:
 KINDS: dict[str, Kind] = {
     **{k.kind: Kind(API_VERSION, k.plural) for k in kinds.KINDS.values()},
     "ConfigMap": Kind("v1", "configmaps"),
+    "Secret": Kind("v1", "secrets"),
     "Service": Kind("v1", "services"),
     "Pod": Kind("v1", "pods"),
     "Event": Kind("v1", "events"),
@@ -70,6 +71,7 @@ USER_AGENT = "kvpool-operator/0.1"
 #: Kinds the renderer emits: listed per domain to find what to prune.
 CHILD_KINDS = (
     "ConfigMap",
+    "Secret",
     "Service",
     "Deployment",
     "StatefulSet",

@@ -69,6 +69,12 @@ PERMISSIONS: tuple[Permission, ...] = (
         for k in kinds.KINDS.values()
     ),
     Permission("", "configmaps", _CHILD_VERBS, why="domain seed, LMCache and gateway config"),
+    Permission(
+        "",
+        "secrets",
+        _CHILD_VERBS,
+        why="each domain's controller API token (listed by the domain's labels)",
+    ),
     Permission("", "services", _CHILD_VERBS, why="controller, gateway, instance Services"),
     Permission("apps", "deployments", _CHILD_VERBS, why="controller, gateway, Mooncake"),
     Permission("apps", "statefulsets", (*_CHILD_VERBS, "watch"), why="workers; readiness"),
@@ -77,7 +83,7 @@ PERMISSIONS: tuple[Permission, ...] = (
         "networking.k8s.io",
         "networkpolicies",
         _CHILD_VERBS,
-        why="controller and worker ports kept inside the namespace",
+        why="controller and worker ports kept to the domain's pods and the operator",
     ),
     Permission("", "pods", ("list",), why="drift timer reads pod fingerprints"),
     Permission("", "events", ("create",), why="Events on invalid specs and blocked deletes"),

@@ -9,6 +9,8 @@ render and status code; it never re-derives what those compute.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,11 +27,11 @@ from kvpool.operator.derive.instances import member_instances
 from kvpool.operator.figures import Health
 from kvpool.operator.loader import LoadError, parse_document
 from kvpool.operator.render import render_domain
-from kvpool.operator.render.fingerprint import pool_fingerprint
+from kvpool.operator.render.pool_objects import instance_ids
 from kvpool.operator.runtime.drift import Drift, observe
 from kvpool.operator.validation import errors, validate_domain
 from kvpool.operator.validation.problems import Problem
-from kvpool.protocol.domain import instance_id
+from kvpool.protocol.http_api import CONTROLLER_TOKEN_KEY
 
 Obj = dict[str, Any]
 Member = P2PGroup | PDPair
@@ -55,6 +57,29 @@ class Observed:
     pods: list[Obj] = field(default_factory=list)
     #: FiguresCurrent as the live-figures poller last found it (None: not polled yet).
     figures: Health | None = None
+    #: A random token the glue drew for this pass: the domain's controller API token if its
+    #: Secret does not exist yet (never used once the Secret holds one).
+    fresh_token: str | None = None
+    #: The operator's own namespace (its pods are a NetworkPolicy peer); None: unknown.
+    operator_namespace: str | None = None
+
+
+@dataclass(frozen=True)
+class ControllerTarget:
+    """Where the operator calls a domain's controller, and with which token."""
+
+    service: str
+    port: int
+    token: str | None
+
+
+@dataclass(frozen=True)
+class AllowlistPush:
+    """The instance ids the domain's running controller must allow before the pass creates
+    the pods that carry new ones."""
+
+    target: ControllerTarget
+    instance_ids: tuple[str, ...]
 
 
 @dataclass
@@ -69,6 +94,9 @@ class Plan:
     #: "Kind/name" -> that resource's own errors (its handler raises PermanentError on them).
     invalid: dict[str, list[Problem]] = field(default_factory=dict)
     seed: str | None = None
+    #: Set when the controller is ready: what it must allow (sent before the writes that
+    #: create worker pods).
+    allowlist: AllowlistPush | None = None
 
 
 def json_copy(value: Any) -> Any:
@@ -100,20 +128,45 @@ def _parse(body: Obj, seed: str | None) -> KVCachePool | Member | Problem:
     return parsed
 
 
+def _component_child(children: list[Obj], kind: str, component: str) -> list[Obj]:
+    return [
+        c
+        for c in children
+        if c.get("kind") == kind
+        and c["metadata"].get("labels", {}).get(names.LABEL_COMPONENT) == component
+    ]
+
+
 def stored_seed(pool: Obj, children: list[Obj]) -> str | None:
     """The seed already in use: status first, then the domain ConfigMap (status can be lost)."""
     from_status = kinds.stored_seed(pool)
     if from_status:
         return from_status
-    for child in children:
-        if (
-            child.get("kind") == "ConfigMap"
-            and child["metadata"].get("labels", {}).get(names.LABEL_COMPONENT) == "domain"
-        ):
-            seed = (child.get("data") or {}).get("PYTHONHASHSEED")
-            if seed:
-                return str(seed)
+    for child in _component_child(children, "ConfigMap", "domain"):
+        seed = (child.get("data") or {}).get("PYTHONHASHSEED")
+        if seed:
+            return str(seed)
     return None
+
+
+def stored_token(children: list[Obj]) -> str | None:
+    """The domain's controller API token as its Secret holds it (generated once, kept)."""
+    for secret in _component_child(children, "Secret", "controller"):
+        value = (secret.get("data") or {}).get(CONTROLLER_TOKEN_KEY)
+        if value:
+            try:
+                return base64.b64decode(value, validate=True).decode()
+            except (binascii.Error, UnicodeDecodeError):
+                return None  # not ours to read: the render writes a new token over it
+    return None
+
+
+def controller_ready(children: list[Obj]) -> bool:
+    """Whether the domain's controller Deployment reports a ready replica."""
+    return any(
+        int((d.get("status") or {}).get("readyReplicas") or 0) > 0
+        for d in _component_child(children, "Deployment", "controller")
+    )
 
 
 def previous_conditions(body: Obj) -> list[Condition]:
@@ -292,7 +345,19 @@ def plan_domain(observed: Observed, now: str, adopt: Adopt) -> Plan:
     plan.invalid = _by_resource(errors(problems))
     ready = ready_instances(observed.children)
     owners = {body["metadata"]["name"]: body for body, _ in parsed}
-    desired = render_domain(pool, members, ready_pd_pairs(members, ready))
+    token = stored_token(observed.children) or observed.fresh_token
+    desired = render_domain(
+        pool,
+        members,
+        ready_pd_pairs(members, ready),
+        api_token=token,
+        operator_namespace=observed.operator_namespace,
+    )
+    if controller_ready(observed.children):
+        target = ControllerTarget(
+            names.controller_name(pool), pool.spec.controller.ports.http, token
+        )
+        plan.allowlist = AllowlistPush(target, tuple(instance_ids(pool, members)))
     by_owner: dict[str, list[Obj]] = {}
     for obj in desired:
         member = obj["metadata"].get("labels", {}).get(names.LABEL_MEMBER)
@@ -386,20 +451,18 @@ def deletion_blocked(pool_body: Obj, members: list[Obj], now: str) -> tuple[Obj,
 class Deregistration:
     """What a member's finalizer tells the pool's controller."""
 
-    service: str
-    port: int
+    target: ControllerTarget
     instance_ids: list[str]
 
 
-def deregistration(pool_body: Obj, member_body: Obj) -> Deregistration | None:
-    """The controller Service and the LMCache instance ids of a member being deleted."""
+def deregistration(pool_body: Obj, member_body: Obj, children: list[Obj]) -> Deregistration | None:
+    """The controller Service, its token (``children``: the domain's, with its Secret) and the
+    LMCache instance ids of a member being deleted."""
     pool = _parse(pool_body, kinds.stored_seed(pool_body))
     member = _parse(member_body, None)
     if not isinstance(pool, KVCachePool) or not isinstance(member, P2PGroup | PDPair):
         return None
-    fp = pool_fingerprint(pool)
-    return Deregistration(
-        names.controller_name(pool),
-        pool.spec.controller.ports.http,
-        [instance_id(inst.name, fp) for inst in member_instances(member)],
+    target = ControllerTarget(
+        names.controller_name(pool), pool.spec.controller.ports.http, stored_token(children)
     )
+    return Deregistration(target, instance_ids(pool, [member]))

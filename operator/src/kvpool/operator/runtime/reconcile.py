@@ -17,13 +17,16 @@ import contextlib
 import datetime
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvpool.operator.derive import names
 from kvpool.operator.figures import Health
 from kvpool.operator.runtime import kube
+from kvpool.operator.runtime.controller_api import ControllerApi
 from kvpool.operator.runtime.metrics import Metrics
 from kvpool.operator.runtime.plan import Adopt, Observed, Plan, domain_selector, plan_domain, ref
 
@@ -34,6 +37,19 @@ log = logging.getLogger(__name__)
 #: resources of one ``kubectl apply`` reach the operator within a few tens of milliseconds of
 #: each other; without the wait the first starts a pass alone and the rest need a second one.
 SETTLE_S = 0.2
+
+
+class AllowlistPendingError(RuntimeError):
+    """The controller has not allowed the domain's new instance ids: their pods were held back
+    (kopf retries the pass; the drift timer does too)."""
+
+
+def _access(obj: Obj) -> bool:
+    """The controller's allowlist ConfigMap and token Secret: written before anything else."""
+    labels = obj["metadata"].get("labels") or {}
+    return obj["kind"] in ("ConfigMap", "Secret") and labels.get(names.LABEL_COMPONENT) == (
+        "controller"
+    )
 
 
 #: Annotation prefixes of kopf's own bookkeeping (progress, last-handled configuration).
@@ -175,6 +191,10 @@ class Reconciler:
         self.pruned: dict[Key, str] = {}
         #: FiguresCurrent of a domain, kept by the live-figures poller (read, never awaited).
         self.figures: Callable[[str, str], Health | None] = lambda _ns, _pool: None
+        #: Tells a ready controller which instance ids may register (None: nobody does).
+        self.controller: ControllerApi | None = None
+        #: The operator's own namespace, a peer in the domains' NetworkPolicies.
+        self.operator_namespace: str | None = None
         self._passes = Passes(self._reconcile, settle)
 
     async def reconcile(self, namespace: str, pool: str, *, settle: bool = True) -> Plan:
@@ -213,7 +233,17 @@ class Reconciler:
         ]
         pods = lists[-1] if lists else []
         figures = self.figures(namespace, pool_name)
-        return Observed(namespace, pool_name, pool, members, children, pods, figures)
+        return Observed(
+            namespace,
+            pool_name,
+            pool,
+            members,
+            children,
+            pods,
+            figures,
+            fresh_token=secrets.token_urlsafe(32),
+            operator_namespace=self.operator_namespace,
+        )
 
     async def _reconcile(self, key: Key, this: Pass) -> Plan:
         namespace, pool_name = key
@@ -225,7 +255,12 @@ class Reconciler:
             this.saw([*([pool] if pool else []), *members])
             observed = await self.observe(namespace, pool_name, pool, members)
             plan = plan_domain(observed, self.clock(), self.adopt)
-            await self.apply(plan)
+            held = await self.apply(plan, namespace)
+            if held:
+                raise AllowlistPendingError(
+                    f"domain {namespace}/{pool_name}: {held}; StatefulSets not created yet: "
+                    + ", ".join(sorted(o["metadata"]["name"] for o in plan.create if _held(o)))
+                )
         except Exception:
             self.metrics.reconciled("domain", "error", time.monotonic() - started)
             self.metrics.failed("domain", "reconcile")
@@ -278,14 +313,41 @@ class Reconciler:
             if exc.status != 404:  # deleted meanwhile: nothing to report on
                 raise
 
-    async def apply(self, plan: Plan) -> None:
-        """Children first (creates, patches, prunes), then statuses, then Events."""
+    async def _allow(self, namespace: str, plan: Plan) -> str | None:
+        """Make a ready controller allow the domain's instance ids. Returns why it did not when
+        that holds back new worker pods (a failure that holds nothing back is logged, and the
+        next pass tries again). A controller that is not ready, or not there yet, reads the
+        allowlist from its mounted ConfigMap when it starts, written before this."""
+        if plan.allowlist is None or self.controller is None:
+            return None
+        why = await self.controller.allow(namespace, plan.allowlist)
+        if why is None:
+            return None
+        self.metrics.failed("domain", "allowlist")
+        log.warning(
+            "controller allowlist not updated: %s",
+            why,
+            extra={"object": f"{namespace}/{plan.allowlist.target.service}"},
+        )
+        return why if any(_held(o) for o in plan.create) else None
+
+    async def apply(self, plan: Plan, namespace: str) -> str | None:
+        """Children first, then statuses, then Events. Among the children, the controller's
+        allowlist ConfigMap and token Secret come first, then the running controller is told the
+        domain's instance ids, then the rest (creates, patches, prunes): a new instance is
+        allowed before its pod can register. If the controller did not take them, new worker
+        StatefulSets are held back; returns why (None: nothing held)."""
         now = self.clock()
-        writes: list[Awaitable[Any]] = [self._create(o) for o in plan.create]
-        writes += [
-            self.client.patch(cur["kind"], cur["metadata"]["namespace"], cur["metadata"]["name"], p)
-            for cur, p in plan.patch
+        access: list[Awaitable[Any]] = [self._create(o) for o in plan.create if _access(o)]
+        access += [self._patch(cur, p) for cur, p in plan.patch if _access(cur)]
+        await asyncio.gather(*access)
+        held = await self._allow(namespace, plan)
+        writes: list[Awaitable[Any]] = [
+            self._create(o)
+            for o in plan.create
+            if not _access(o) and not (held is not None and _held(o))
         ]
+        writes += [self._patch(cur, p) for cur, p in plan.patch if not _access(cur)]
         writes += [
             self.client.delete(o["kind"], o["metadata"]["namespace"], o["metadata"]["name"])
             for o in plan.delete
@@ -304,3 +366,13 @@ class Reconciler:
                 await self.client.event(body, etype, reason, message, now)
             except kube.ApiError as exc:  # an Event is best effort, never a failed reconcile
                 log.warning("could not post Event %s on %s: %s", reason, ref(body), exc)
+        return held
+
+    def _patch(self, current: Obj, patch: Obj) -> Awaitable[Any]:
+        meta = current["metadata"]
+        return self.client.patch(current["kind"], meta["namespace"], meta["name"], patch)
+
+
+def _held(obj: Obj) -> bool:
+    """A new worker StatefulSet: its pod would register an id the controller may refuse."""
+    return bool(obj["kind"] == "StatefulSet")

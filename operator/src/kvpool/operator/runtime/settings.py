@@ -52,6 +52,11 @@ class OperatorSettings(BaseSettings):
         default_factory=lambda: os.environ.get("POD_NAMESPACE", "kvpool-system"),
         description="Namespace of that Service (default: env POD_NAMESPACE, else kvpool-system).",
     )
+    operator_namespace: str | None = Field(
+        default_factory=lambda: os.environ.get("POD_NAMESPACE") or None,
+        description="The operator's own namespace: the domains' NetworkPolicies admit the "
+        "operator's pods from it alone (default: env POD_NAMESPACE, else any namespace).",
+    )
     field_manager: str = Field(default=permissions.FIELD_MANAGER, min_length=1)
     drift_interval: float = Field(
         default=30.0, gt=0, description="Seconds between drift checks of each pool."
