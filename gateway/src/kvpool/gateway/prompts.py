@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from kvpool.gateway.config import ConfigError, GatewayConfig
@@ -20,6 +21,7 @@ from kvpool.gateway.instances import InstanceSet
 from kvpool.gateway.upstream import CALL_ERRORS, Upstream
 from kvpool.protocol.chat import (
     REFERENCE_TOKENIZER_DIR,
+    TOKENIZER_FILE,
     ChatError,
     ChatMessage,
     TextTokenizer,
@@ -134,15 +136,57 @@ def encoder_for(config: GatewayConfig, instances: InstanceSet, upstream: Upstrea
     if config.tokenizer is None:
         return RemoteEncoder(instances, upstream)
     try:
-        return LocalEncoder(local_tokenizer(config.tokenizer))
+        return LocalEncoder(local_tokenizer(config.tokenizer, config.model))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"tokenizer: {exc}") from None
 
 
-def local_tokenizer(name: str) -> TextTokenizer:
-    """gateway.yaml's ``tokenizer`` loaded: a tokenizer.json (or its directory), or
-    ``reference``; raises OSError or ValueError naming the file."""
-    return load_tokenizer(REFERENCE_TOKENIZER_DIR if name == REFERENCE else name)
+def local_tokenizer(name: str, model: str | None = None) -> TextTokenizer:
+    """gateway.yaml's ``tokenizer`` loaded: a tokenizer.json (or its directory), a Hugging Face
+    hub cache holding ``model`` (see :func:`hub_snapshot`), or ``reference``; raises OSError or
+    ValueError naming the file."""
+    if name == REFERENCE:
+        return load_tokenizer(REFERENCE_TOKENIZER_DIR)
+    path = Path(name)
+    if model and path.is_dir() and not (path / TOKENIZER_FILE).exists():
+        snapshot = hub_snapshot(path, model)
+        if snapshot is None:
+            raise FileNotFoundError(
+                f"no {TOKENIZER_FILE} in {path}, nor a Hugging Face cache entry "
+                f"{hub_repo_dir(model)} of the model {model!r} in it or in {path / 'hub'}"
+            )
+        path = snapshot
+    return load_tokenizer(path)
+
+
+def hub_repo_dir(model: str) -> str:
+    """The directory a Hugging Face hub cache keeps a model repository in."""
+    return "models--" + model.replace("/", "--")
+
+
+def hub_snapshot(root: Path, model: str) -> Path | None:
+    """The snapshot of ``model`` in a Hugging Face hub cache at ``root`` (``HF_HUB_CACHE``), or
+    in ``root/hub`` (``HF_HOME``): the revision ``refs/main`` names, else the only snapshot
+    there is; None when the cache has no entry for the model. The files a vLLM worker loads the
+    model from, so the gateway tokenizes with exactly the engine's tokenizer."""
+    for base in (root, root / "hub"):
+        entry = base / hub_repo_dir(model)
+        if not entry.is_dir():
+            continue
+        snapshots = entry / "snapshots"
+        ref = entry / "refs" / "main"
+        if ref.is_file():
+            named = snapshots / ref.read_text(encoding="utf-8").strip()
+            if named.is_dir():
+                return named
+        found = sorted(p for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
+        if len(found) != 1:
+            raise FileNotFoundError(
+                f"{entry}: {len(found)} snapshots and no refs/main naming one of them; give "
+                "the snapshot directory itself as the tokenizer"
+            )
+        return found[0]
+    return None
 
 
 async def completion_tokens(encoder: Encoder, prompt: str | list[Any]) -> list[int]:

@@ -205,6 +205,28 @@ class SecretKeyRef(ApiModel):
     key: str = "token"
 
 
+class GatewayTokenizer(ApiModel):
+    """The served model's tokenizer files for the gateway, which then tokenizes every prompt
+    itself. Without it a vLLM pool's gateway asks a ready worker's /tokenize for each request
+    (the same tokens, one round trip more); a platform cpu pool needs none (the reference
+    engine's tokenizer ships with the gateway)."""
+
+    path: str = Field(
+        pattern=r"^/",
+        description="Absolute path in the gateway container: a tokenizer.json, its directory "
+        "(with tokenizer_config.json for the chat template), or a Hugging Face hub cache "
+        "(HF_HUB_CACHE, or HF_HOME holding hub/) with spec.model.name in it, resolved to the "
+        "snapshot its refs/main names.",
+    )
+    claim_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A PersistentVolumeClaim of the pool's namespace mounted read-only at path "
+        "(the one the vLLM workers load the model from, for example); without it path must "
+        "exist in the gateway's image.",
+    )
+
+
 class GatewaySpec(ApiModel):
     """The KV-affinity gateway Deployment (OpenAI-compatible)."""
 
@@ -212,6 +234,9 @@ class GatewaySpec(ApiModel):
     port: int = Field(default=8000, ge=1, le=65535, description="Default 8000.")
     routing: Routing = Field(default_factory=Routing)
     auth_secret_ref: SecretKeyRef | None = Field(default=None, description="Bearer token secret.")
+    tokenizer: GatewayTokenizer | None = Field(
+        default=None, description="The model's tokenizer for the gateway (vLLM pools)."
+    )
     resources: Resources = Field(default_factory=Resources)
 
 

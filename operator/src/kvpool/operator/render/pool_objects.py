@@ -236,8 +236,9 @@ def _gateway_config(
         # (platform cpu) does not import vLLM: the gateway must hash like the engines do.
         "vllm": hashes_like_vllm(members),
         # the reference engine's tokenizer ships with kvpool.protocol: the gateway tokenizes
-        # locally; vLLM pools are tokenized by their workers' /tokenize
-        **({} if hashes_like_vllm(members) or not members else {"tokenizer": "reference"}),
+        # locally; vLLM pools with spec.gateway.tokenizer too, without it by their workers'
+        # /tokenize
+        **_gateway_tokenizer(pool, members),
         "controllerUrl": names.controller_url(pool),
         "controllerPubUrl": f"tcp://{controller_host}:{spec.controller.ports.pub}",
         "controllerSnapshotUrl": f"tcp://{controller_host}:{spec.controller.ports.snapshot}",
@@ -245,6 +246,13 @@ def _gateway_config(
         "p2pGroups": p2p,
         "pdPairs": pd,
     }
+
+
+def _gateway_tokenizer(pool: KVCachePool, members: list[P2PGroup | PDPair]) -> dict[str, str]:
+    given = pool.spec.gateway.tokenizer
+    if given is not None:
+        return {"tokenizer": given.path}
+    return {} if hashes_like_vllm(members) or not members else {"tokenizer": "reference"}
 
 
 def gateway_objects(
@@ -288,6 +296,13 @@ def gateway_objects(
         "/etc/kvpool/gateway/gateway.yaml",
     ]
     annotations = k8s.pod_annotations(pool, config)
+    mounts: list[Obj] = [{"name": "config", "mountPath": "/etc/kvpool/gateway"}]
+    volumes: list[Obj] = [{"name": "config", "configMap": {"name": name}}]
+    tokenizer = spec.tokenizer
+    if tokenizer is not None and tokenizer.claim_name is not None:
+        mounts.append({"name": "tokenizer", "mountPath": tokenizer.path, "readOnly": True})
+        claim = {"claimName": tokenizer.claim_name, "readOnly": True}
+        volumes.append({"name": "tokenizer", "persistentVolumeClaim": claim})
     pod: Obj = {
         "containers": [
             {
@@ -300,10 +315,10 @@ def gateway_objects(
                     k8s.resources(spec.resources),
                     k8s.http_probe(spec.port, "/readyz"),
                 ),
-                "volumeMounts": [{"name": "config", "mountPath": "/etc/kvpool/gateway"}],
+                "volumeMounts": mounts,
             }
         ],
-        "volumes": [{"name": "config", "configMap": {"name": name}}],
+        "volumes": volumes,
         **k8s.placement(pool.spec.placement),
     }
     return [
