@@ -182,6 +182,7 @@ async def test_completion_prefills_waits_for_every_rank_then_decodes() -> None:
         assert r.status_code == 200, r.text
         assert r.headers["x-kvpool-instance"] == "pre-0,dec-0"
         out = r.json()
+        explained = (await client.get(f"/v1/requests/{r.headers['x-request-id']}/explain")).json()
     pre = log["prefill"]
     assert pre["prompt"] == [5, 6, 7, 8, 9] and pre["max_tokens"] == 1 and pre["stream"] is False
     assert pre["kv_transfer_params"]["ret_first_tok"] is True
@@ -194,6 +195,10 @@ async def test_completion_prefills_waits_for_every_rank_then_decodes() -> None:
     assert log["decoded_at"] >= log["notified_at"]  # decode only after both ranks reported
     assert out["choices"][0]["text"] == "PDD"
     assert out["usage"]["completion_tokens"] == 3 and out["usage"]["prompt_tokens"] == 5
+    decode, prefill = explained["routing"]  # both decisions; the prefill carries the decoder's
+    assert (prefill["role"], prefill["instance"]) == ("prefill", "pre-0")
+    assert (decode["role"], decode["instance"]) == ("decode", "dec-0")
+    assert decode["reason"] == "pd-decode-least-load" and "by transfer" in decode["why"]
 
 
 async def test_streamed_chat_through_pd_is_in_chat_shape() -> None:

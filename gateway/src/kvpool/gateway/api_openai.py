@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from starlette.datastructures import URL
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpool.gateway.deps import (
     StateDep,
@@ -38,10 +38,12 @@ from kvpool.gateway.errors import (
     error_body,
     validation_error,
 )
+from kvpool.gateway.explain import request_id_of
 from kvpool.gateway.models import Fields, chat_fields, completion_fields
 from kvpool.gateway.prompts import chat_tokens, check_tokens, completion_tokens
 from kvpool.gateway.serving import Incoming, serve
 from kvpool.gateway.state import GatewayState
+from kvpool.protocol.http_api import REQUEST_ID
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -101,7 +103,7 @@ def _headers(scope: Scope) -> dict[str, str]:
 
 
 async def completion(
-    state: GatewayState, scope: Scope, receive: Receive, endpoint: str
+    state: GatewayState, scope: Scope, receive: Receive, endpoint: str, request_id: str = ""
 ) -> Response:
     """One ``/v1/completions`` (``endpoint`` "completions") or ``/v1/chat/completions``
     ("chat") request, from its ASGI scope to the response to send."""
@@ -122,8 +124,34 @@ async def completion(
         tokens = await completion_tokens(state.encoder, fields.prompt)
         check_tokens(tokens, "prompt")
     # the body is forwarded unchanged (its own bytes); the PD flow asks whether the client left
-    incoming = Incoming(headers, raw, Request(scope, receive).is_disconnected)
+    incoming = Incoming(headers, raw, Request(scope, receive).is_disconnected, request_id)
     return await serve(state, incoming, endpoint, data, tokens, fields.user, fields.max_tokens)
+
+
+REQUEST_ID_B = REQUEST_ID.encode()
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+class _Tagged:
+    """``send`` with ``x-request-id`` added to the response's head."""
+
+    __slots__ = ("_send", "_value")
+
+    def __init__(self, send: Send, value: bytes) -> None:
+        self._send = send
+        self._value = value
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [*message.get("headers", ()), (REQUEST_ID_B, self._value)]
+            message = {**message, "headers": headers}
+        await self._send(message)
 
 
 def _not_allowed(scope: Scope) -> Response:
@@ -157,8 +185,11 @@ class CompletionRoutes:
         if scope["method"] != "POST":
             await _not_allowed(scope)(scope, receive, send)
             return
+        # every answer carries the request's id, the key of its explain record
+        request_id = request_id_of(_header(scope, REQUEST_ID_B))
+        send = _Tagged(send, request_id.encode("latin-1"))
         try:
-            response = await completion(self.state, scope, receive, endpoint)
+            response = await completion(self.state, scope, receive, endpoint, request_id)
         except GatewayError as exc:
             self.on_error(endpoint, exc.status)
             response = exc.response()

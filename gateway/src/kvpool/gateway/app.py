@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from kvpool.gateway import api_admin, api_memory, api_openai, api_ops
+from kvpool.gateway import api_admin, api_explain, api_memory, api_openai, api_ops
 from kvpool.gateway.drain import DrainGuard
 from kvpool.gateway.errors import ENDPOINTS, install_handlers
 from kvpool.gateway.state import GatewayState
@@ -49,5 +49,6 @@ def build_app(state: GatewayState) -> FastAPI:
     app.include_router(api_ops.router)
     app.include_router(api_openai.router)
     app.include_router(api_memory.router)
+    app.include_router(api_explain.router)
     app.include_router(api_admin.router)
     return app

@@ -67,6 +67,7 @@ def _add_extra_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     modules when present."""
     for name in (
         "kvpool.gateway.hashes_cli",
+        "kvpool.gateway.explain_cli",
         "kvpool.gateway.replay_cli",
         "kvpool.gateway.fleetsim.cli",
     ):

@@ -102,6 +102,17 @@ class Limits(_Model):
     pd_transfer_timeout_seconds: float = Field(30.0, gt=0)
     rate_limit: RateLimit | None = None
     sessions: int = Field(65_536, ge=1, description="session ids remembered (LRU)")
+    explain_requests: int = Field(
+        1024, ge=1, description="recent requests whose routing /v1/requests/{id}/explain tells"
+    )
+    explain_prompt_bytes: int = Field(
+        32 * 2**20,
+        ge=2**16,
+        description="recent prompts' tokens kept by chunk to explain misses (8 bytes a token)",
+    )
+    explain_evictions: int = Field(
+        262_144, ge=1, description="recent chunk evictions kept to explain misses (20 B each)"
+    )
     drain_timeout_seconds: float = Field(
         30.0,
         gt=0,

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -66,6 +66,8 @@ class IndexClient:
         self.poll_interval_s = poll_interval_s
         self.lookup_timeout_s = lookup_timeout_s
         self.replica = dl.IndexReplica()
+        #: told every delta batch received, before it is applied (``explain``: evictions)
+        self.on_batch: Callable[[dl.DeltaBatch], None] | None = None
         self.controller_up = False
         self.controller_epoch: str | None = None
         self.last_error: str | None = None
@@ -203,6 +205,8 @@ class IndexClient:
                     logger.warning("undecodable delta batch dropped: %s", exc)
                     continue
                 self._last_activity = time.monotonic()
+                if self.on_batch is not None:
+                    self.on_batch(batch)
                 if self.replica.apply_batch(batch):
                     self.metrics.index_deltas.inc(len(batch.deltas))
                 else:

@@ -106,7 +106,10 @@ class PDFlow:
             chosen, reason=f"pd-decode-{chosen.reason}", predicted_hit_tokens=prompt.tokens
         )
         sel.metrics.decisions.labels(decision.reason, decision.instance).inc()
-        return sel.instances.by_name[decision.instance], decision
+        inst = sel.instances.by_name[decision.instance]
+        if sel.observer is not None:  # the request's explain record
+            sel.observer("decode", prompt.hashes, None, cands, decision, inst)
+        return inst, decision
 
     async def _prefill(
         self, pair: str, prompt: Prompt, body: dict[str, Any]

@@ -37,6 +37,8 @@ from kvpool.gateway.routing import (
 #: What the index says the instances hold of a prompt: grouped (the replica), per configured
 #: name (the controller's HTTP lookup), or None (unknown: the router falls back).
 Hits = GroupedHits | dict[str, PrefixHit] | None
+#: Told each decision: (role, the prompt's chunk hashes, hits, candidates, decision, instance).
+Observer = Callable[[str, tuple[int, ...], Hits, Candidates, Decision, Instance], None]
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ class Selector:
     metrics: GatewayMetrics
     chunk_size: int
     clock: Callable[[], float] = time.monotonic
+    #: told every decision (``explain``: the request's record), None: nobody listens
+    observer: Observer | None = None
     _columns: _PoolColumns | None = None
     _puller_groups: tuple[InstanceSet, int, dict[str, str]] | None = None
 
@@ -257,6 +261,8 @@ class Selector:
         self.metrics.prompt_tokens.labels(inst.name).inc(prompt.tokens)
         if record:
             self.pending.record(inst.name, prompt.hashes, self.clock())
+        if self.observer is not None:
+            self.observer(role, prompt.hashes, hits, cands, decision, inst)
         return inst, decision
 
     async def choose(

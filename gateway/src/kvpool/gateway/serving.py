@@ -15,13 +15,14 @@ from fastapi.responses import Response
 
 from kvpool.gateway.admission import once
 from kvpool.gateway.errors import GatewayError
+from kvpool.gateway.explain import CURRENT, request_id_of
 from kvpool.gateway.instances import Instance
 from kvpool.gateway.proxy import Attempt
 from kvpool.gateway.selection import Prompt
 from kvpool.gateway.state import GatewayState
 from kvpool.protocol.http_api import INSTANCE as PIN_HEADER
 from kvpool.protocol.http_api import PD as PD_HEADER
-from kvpool.protocol.http_api import PD_ANY, session_of
+from kvpool.protocol.http_api import PD_ANY, REQUEST_ID, session_of
 from kvpool.protocol.http_api import SESSION as SESSION_HEADER
 
 
@@ -34,6 +35,7 @@ class Incoming:
     headers: Mapping[str, str]
     raw: bytes | None
     client_gone: Callable[[], Awaitable[bool]]
+    request_id: str = ""  # x-request-id (``explain.request_id_of``): the explain record's key
 
 
 def pd_pair_for(state: GatewayState, incoming: Incoming) -> str | None:
@@ -84,11 +86,34 @@ async def serve(
     user: str | None,
     max_tokens: int | None,
 ) -> Response:
-    """Route and forward one completion or chat request."""
+    """Route and forward one completion or chat request (its routing is recorded for
+    ``GET /v1/requests/{id}/explain`` under ``incoming.request_id``)."""
     session = session_of(incoming.headers.get(SESSION_HEADER), user)
     prompt = Prompt(len(tokens), tuple(state.hasher(tokens)), session)
+    request_id = incoming.request_id or request_id_of(None)
+    record = state.explain.begin(request_id, endpoint, session, prompt.hashes, tokens)
+    token = CURRENT.set(record)
+    try:
+        return await _serve(state, incoming, endpoint, data, tokens, prompt, max_tokens)
+    finally:
+        CURRENT.reset(token)
+        state.explain.end(record)
+
+
+async def _serve(
+    state: GatewayState,
+    incoming: Incoming,
+    endpoint: str,
+    data: dict[str, Any],
+    tokens: list[int],
+    prompt: Prompt,
+    max_tokens: int | None,
+) -> Response:
+    session = prompt.session
     pair = pd_pair_for(state, incoming)
     headers = {SESSION_HEADER: session} if session else {}
+    if incoming.request_id:  # forwarded: the instance's logs can name it
+        headers[REQUEST_ID] = incoming.request_id
     pinned = pinned_instance(state, incoming)  # a bad header is refused before taking a slot
     try:
         await state.admission.acquire()

@@ -24,6 +24,7 @@ from kvpool.gateway.admission import Admission
 from kvpool.gateway.apikeys import KeyReloader
 from kvpool.gateway.config import GatewayConfig, GatewayEnv
 from kvpool.gateway.drain import Drain
+from kvpool.gateway.explain import ExplainBook
 from kvpool.gateway.filewatch import FileWatch, watch
 from kvpool.gateway.index_client import IndexClient
 from kvpool.gateway.instances import InstanceSet, health_loop, probe_all
@@ -65,6 +66,7 @@ class GatewayState:
     encoder: Encoder
     hasher: Hasher
     sessions: SessionMemory
+    explain: ExplainBook
     pd: PDCoordinator
     pd_flow: PDFlow
     api_keys: frozenset[str]
@@ -183,6 +185,15 @@ def build_state(
         metrics,
         config.chunk_size,
     )
+    explain = ExplainBook(
+        config.chunk_size,
+        instances,
+        max_requests=limits.explain_requests,
+        prompt_bytes=limits.explain_prompt_bytes,
+        evictions=limits.explain_evictions,
+    )
+    selector.observer = explain.observe
+    index.on_batch = explain.on_batch
     proxy = Proxy(upstream, load, metrics, limits.retries, limits.upstream_timeout_seconds)
     hash_config = config.hash_config(env.hash_seed)
 
@@ -214,6 +225,7 @@ def build_state(
         encoder=encoder,
         hasher=hasher,
         sessions=SessionMemory(limits.sessions),
+        explain=explain,
         pd=pd,
         pd_flow=PDFlow(selector, proxy, pd, encoder.chat_stop_token_ids),
         api_keys=env.api_keys(),

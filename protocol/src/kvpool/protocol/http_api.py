@@ -29,6 +29,9 @@ PD_ANY: Final = "any"
 ROUTE_REASON: Final = "x-kvpool-route-reason"
 #: Response: prompt tokens the router expected cached on the instance.
 PREDICTED_HIT_TOKENS: Final = "x-kvpool-predicted-hit-tokens"
+#: Request and response: the request's id (the client's, when it sends a plain token; else the
+#: gateway's), the key of ``GET /v1/requests/{id}/explain``; forwarded to the instance.
+REQUEST_ID: Final = "x-request-id"
 
 # ---------------------------------------------------------------- sessions
 
