@@ -13,6 +13,7 @@ respect but the model math; ``kvpool-worker host`` runs many of them in one proc
     kvpool-worker host --instances instances.json
     kvpool-worker serve --engine vllm --platform ascend --model /models/qwen3 --block-size 128
     kvpool-worker fingerprint --model M --block-size 16 --kv-dtype float32 [--config FILE]
+    kvpool-worker calibrate --out profile.json [--sweep quick]
 """
 
 from __future__ import annotations
@@ -115,6 +116,26 @@ def _parser() -> argparse.ArgumentParser:
         "{its environment}}",
     )
     host.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    cal = sub.add_parser(
+        "calibrate", help="fit a --engine sim profile from the reference engine on this machine"
+    )
+    cal.add_argument("--out", required=True, help="the profile file to write (JSON)")
+    cal.add_argument(
+        "--sweep",
+        choices=["tiny", "quick", "full"],
+        default="quick",
+        help="quick: about a minute; full: minutes, more lengths and rounds; tiny: tests",
+    )
+    cal.add_argument("--name", default="calibrated-reference-tiny", help="the profile's name")
+    cal.add_argument("--model", default="kvpool/reference-tiny", help="the model's name")
+    cal.add_argument("--model-dir", help="a local HF model directory (default: random weights)")
+    cal.add_argument(
+        "--statistic",
+        choices=["min", "median"],
+        default="min",
+        help="what stands for a shape's rounds: min (the engine with the least interference) "
+        "or median (this box at its load)",
+    )
     fp = sub.add_parser("fingerprint", help="print the cache-domain fingerprint")
     fp.add_argument("--model", required=True)
     fp.add_argument("--block-size", type=int, required=True)
@@ -444,6 +465,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvpool.worker.sim.host import run_host  # noqa: PLC0415
 
         return run_host(args.instances, args.log_level)
+    if args.command == "calibrate":
+        from kvpool.worker.sim.calibrate import run as run_calibrate  # noqa: PLC0415 (torch)
+
+        return run_calibrate(
+            args.out, args.sweep, args.name, args.model, args.model_dir, args.statistic
+        )
     try:
         if args.command == "fingerprint":
             return _fingerprint(args, env)

@@ -16,5 +16,7 @@ controller's index and the gateway's replica cannot tell it from a real worker.
 - :mod:`.kv_batch`, :mod:`.lmcache_client`, :mod:`.full_sync`, :mod:`.control` — LMCache
   0.5.6's worker side of the controller protocol (admit/evict batches, register, heartbeat,
   P2P lookup, full sync with freeze, the REP socket's commands, deregistration);
-- :mod:`.host` — ``kvpool-worker host``: many instances in one process.
+- :mod:`.host` — ``kvpool-worker host``: many instances in one process;
+- :mod:`.calibrate` — ``kvpool-worker calibrate``: a profile fitted to the reference engine here
+  (imports torch and LMCache; only that command loads it).
 """
