@@ -64,7 +64,7 @@ class FleetPlan:
 
     def fleet_config(self, profile: PerfProfile, policy: str = "kv-aware") -> FleetConfig:
         """The simulator's fleet for this plan. The gateway's clocks run in wall time (its
-        pending-prefix TTL, 30 s; the index's lag behind an admit, about 20 ms: LMCache's
+        pending-prefix TTL, 120 s; the index's lag behind an admit, about 20 ms: LMCache's
         10 ms batching, the controller's publish, the replica's apply), so in model time they
         are those times x ``speedup``."""
         return FleetConfig(

@@ -77,7 +77,7 @@ class Guards(_Model):
 
     imbalance_abs: int = Field(8, ge=0)
     imbalance_ratio: float = Field(1.5, ge=1.0)
-    pending_ttl_seconds: float = Field(30.0, ge=0)
+    pending_ttl_seconds: float = Field(120.0, ge=0)
 
 
 class RateLimit(_Model):

@@ -11,11 +11,13 @@ They stand for a second thing the index cannot see: the engine's own prefix cach
 (vLLM's HBM blocks). LMCache reports its tiers (DDR, disk, remote) to the controller, never
 the device's, and where DDR is smaller than the device KV — or evicts sooner — an instance
 still holds on the device the prompts it computed a few dozen seconds ago while the index says
-it holds nothing. So an entry outlives the admit: ``ttl_s`` after the first byte (30 s by
-default, ``guards.pendingTtlSeconds``; about how long a busy device keeps a prompt). On the
-conversation trace's fleet benchmark (16 sim instances, DDR smaller than the device) 2 s gave
-kv-aware a simulated hit ratio of 0.11-0.15 against a pooled-cache bound of 0.23-0.27, 30 s
-0.18-0.23, with a lower TTFT p90, in each of three windows.
+it holds nothing. And a conversation's next turn, minutes later, is best sent back to the
+instance that has its history while that instance keeps part of it, which is what sglang's
+routing tree does. So an entry outlives the admit: ``ttl_s`` after the first byte (120 s by
+default, ``guards.pendingTtlSeconds``). On the conversation trace's fleet benchmark (16 sim
+instances, caches holding half of the window) 2 s gave kv-aware a simulated hit ratio of
+0.08-0.16 against a pooled-cache bound of 0.23-0.28, 30 s 0.11-0.25, 120 s 0.19-0.25 with a
+TTFT p90 as low or lower, in each of six windows (the benchmark's two and four held out).
 
 At fleet scale a hot prefix (a shared system prompt) is pending on hundreds of instances at
 once, so the answer is built like the index's (:mod:`kvpool.protocol.index_groups`): per chunk
