@@ -18,20 +18,7 @@ from typing import Any
 import httpx
 import msgspec
 import zmq
-from transfer_stack import CHANNEL, FINGERPRINT, cached, complete, free_port, tokens
-
-
-def pd_config(name: str, role: str, proxy_port: int, init: int, alloc: int) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "chunk_size": 256, "local_cpu": False, "lmcache_instance_id": f"{name}~{FINGERPRINT}",
-        "enable_pd": True, "pd_role": role, "pd_buffer_size": 64 * 2**20,
-        "pd_buffer_device": "cpu", **CHANNEL,
-    }  # fmt: skip
-    if role == "sender":
-        cfg.update(pd_proxy_host="127.0.0.1", pd_proxy_port=proxy_port, save_unfull_chunk=True)
-    else:
-        cfg.update(pd_peer_host="127.0.0.1", pd_peer_init_port=[init], pd_peer_alloc_port=[alloc])
-    return cfg
+from transfer_stack import cached, complete, disagg_spec, free_port, pd_config, tokens
 
 
 def test_decode_after_the_transfer_equals_a_single_instance(stack: Any) -> None:
@@ -63,11 +50,7 @@ def test_decode_after_the_transfer_equals_a_single_instance(stack: Any) -> None:
             prompt = tokens(n, seed=n)
             single = complete(decode, prompt, 10)
             req_id = uuid.uuid4().hex
-            spec = {
-                "req_id": req_id, "receiver_host": info["receiver_host"],
-                "receiver_init_port": info["receiver_init_port"],
-                "receiver_alloc_port": info["receiver_alloc_port"],
-            }  # fmt: skip
+            spec = disagg_spec(info, req_id)
             first = complete(
                 prefill,
                 prompt,

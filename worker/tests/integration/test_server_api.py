@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -310,3 +311,70 @@ async def test_not_ready_until_the_engine_started() -> None:
             "draining"
         )
     await rt.engine.shutdown(2.0)
+
+
+class _StuckOffload:
+    """A KV offload whose lookup blocks until ``release`` is set: the fault injected (an
+    LMCache call that never returns, as its PD sender's did towards a dead decoder; a real
+    one cannot be made to block on demand). Everything else does nothing."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def lookup(self, token_ids: Any) -> int:
+        self.release.wait(60)
+        return 0
+
+    def retrieve(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def store(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def evict(self, **kwargs: Any) -> int:
+        return 0
+
+    def prefetch(self, token_ids: Any) -> int:
+        return 0
+
+    def pin(self, token_ids: Any) -> int:
+        return 0
+
+    def unpin(self, token_ids: Any) -> int:
+        return 0
+
+    def memory_stats(self) -> dict[str, object]:
+        return {}
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self, deadline_s: float) -> None:
+        self.release.set()
+
+
+async def test_a_stuck_engine_step_makes_the_worker_unready_until_it_ends() -> None:
+    offload = _StuckOffload()
+    opts = ReferenceEngineOptions(max_model_len=MAX_MODEL_LEN, num_kv_blocks=256, max_num_seqs=4)
+    engine = ReferenceEngine(opts, offload, model_overrides=SMALL_MODEL)  # type: ignore[arg-type]
+    rt = WorkerRuntime(engine, load_tokenizer(), stall_timeout_s=0.3)
+    transport = httpx.ASGITransport(app=build_app(rt, start_engine=False))
+    async with httpx.AsyncClient(transport=transport, base_url="http://w", timeout=60) as c:
+        await rt.start_engine()
+        assert (await c.get("/readyz")).status_code == 200
+        stuck = asyncio.create_task(
+            c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        )
+        for _ in range(600):  # bounded: the step is stuck until released
+            ready = await c.get("/readyz")
+            if ready.status_code == 503:
+                break
+            await asyncio.sleep(0.05)
+        assert ready.json() == {"status": "stalled"}
+        refused = await c.post("/v1/completions", json={"prompt": "y", "max_tokens": 1})
+        assert assert_error(refused, 503)["code"] == "stalled"
+        assert refused.headers["retry-after"] == "1"
+        offload.release.set()
+        assert (await stuck).status_code == 200
+        assert (await c.get("/readyz")).status_code == 200
+    await engine.shutdown(2.0)

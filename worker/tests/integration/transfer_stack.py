@@ -161,6 +161,27 @@ class Stack:
                 proc.wait(10)
 
 
+def pd_config(name: str, role: str, proxy_port: int, init: int, alloc: int) -> dict[str, Any]:
+    """A PD instance's LMCache config as rendered for platform cpu (the sender notifies the
+    proxy at ``proxy_port``; the receiver listens on ``init`` and ``alloc``)."""
+    cfg: dict[str, Any] = {
+        "chunk_size": 256, "local_cpu": False, "lmcache_instance_id": f"{name}~{FINGERPRINT}",
+        "enable_pd": True, "pd_role": role, "pd_buffer_size": 64 * 2**20,
+        "pd_buffer_device": "cpu", **CHANNEL,
+    }  # fmt: skip
+    if role == "sender":
+        cfg.update(pd_proxy_host="127.0.0.1", pd_proxy_port=proxy_port, save_unfull_chunk=True)
+    else:
+        cfg.update(pd_peer_host="127.0.0.1", pd_peer_init_port=[init], pd_peer_alloc_port=[alloc])
+    return cfg
+
+
+def disagg_spec(info: dict[str, Any], req_id: str) -> dict[str, Any]:
+    """The proxy's ``disagg_spec`` for the decoder whose ``/pd/info`` is ``info``."""
+    keys = ("receiver_host", "receiver_init_port", "receiver_alloc_port")
+    return {"req_id": req_id, **{k: info[k] for k in keys}}
+
+
 def complete(url: str, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     r = httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=120)

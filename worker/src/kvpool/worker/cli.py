@@ -89,6 +89,7 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--unready-delay", "unready_delay_s", float, "SIGTERM: seconds unready before draining"),
     ("--drain-timeout", "drain_timeout_s", float, "SIGTERM: seconds to drain in-flight work"),
     ("--shutdown-deadline", "shutdown_deadline_s", float, "SIGTERM: exit within (seconds)"),
+    ("--stall-timeout", "stall_timeout_s", float, "unready while one engine step runs longer"),
     ("--log-level", "log_level", str, "debug, info, warning or error"),
 ]
 
@@ -424,6 +425,7 @@ def build_runtime(
             tok,
             session_capacity=settings.session_capacity,
             memory_budget_bytes=settings.memory_budget_bytes,
+            stall_timeout_s=settings.stall_timeout_s,
         )
     engine = build_reference_engine(settings, env, tok)
     offload = getattr(engine, "offload", None)
@@ -438,6 +440,7 @@ def build_runtime(
         session_capacity=settings.session_capacity,
         pd_info=pd_info,
         memory_budget_bytes=settings.memory_budget_bytes,
+        stall_timeout_s=settings.stall_timeout_s,
     )
 
 

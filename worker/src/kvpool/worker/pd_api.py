@@ -87,6 +87,31 @@ def answer_params(
 
 
 @runtime_checkable
+class TransferOutcomes(Protocol):
+    """A PD sender's KV offload (``LMCacheOffload``): whether a request's transfer landed."""
+
+    async def pd_transfer_result(self, req_id: str) -> str | None: ...
+
+
+async def check_transfer(engine: object, params: KVTransferParams) -> None:
+    """Return once the decoder has the prefill's KV; a retryable 503 naming why it does not
+    (the decoder died, restarted, froze or is cut off: the proxy retries the request, and the
+    sender reconnects to the decoder's new process on the next transfer)."""
+    offload = getattr(engine, "offload", None)
+    if not isinstance(offload, TransferOutcomes):
+        return
+    why = await offload.pd_transfer_result(params.req_id)
+    if why is not None:
+        raise OpenAIError(
+            f"the prefill's KV did not reach the decoder at {params.receiver_host}: {why}; "
+            "retry the request",
+            status=503,
+            code="pd_transfer_failed",
+            type_="service_unavailable",
+        )
+
+
+@runtime_checkable
 class TransferReleaser(Protocol):
     """A PD receiver's KV offload (``LMCacheOffload``): frees one prompt's transfer."""
 

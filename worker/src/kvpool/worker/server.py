@@ -53,7 +53,12 @@ from kvpool.worker.openai_render import (
     sse,
     validation_body,
 )
-from kvpool.worker.pd_api import answer_params, build_pd_router, parse_kv_transfer
+from kvpool.worker.pd_api import (
+    answer_params,
+    build_pd_router,
+    check_transfer,
+    parse_kv_transfer,
+)
 from kvpool.worker.render_api import build_render_router
 
 logger = logging.getLogger(__name__)
@@ -72,8 +77,10 @@ class WorkerRuntime:
         session_capacity: int = 4096,
         pd_info: dict[str, Any] | None = None,
         memory_budget_bytes: int | None = None,
+        stall_timeout_s: float = 120.0,
     ):
         self.engine = engine
+        self.stall_timeout_s = stall_timeout_s
         self.pd_info = pd_info or {"enabled": False}  # GET /pd/info; PD sender or not
         self.tokenizer = tokenizer
         self.sessions = SessionStore(session_capacity)
@@ -106,19 +113,32 @@ class WorkerRuntime:
         return False
 
     @property
+    def stalled(self) -> bool:
+        """One engine job (a step, a store, a lookup) has run past ``stall_timeout_s``: the
+        engine is stuck, so the worker stops being ready and the gateway routes around it."""
+        busy = getattr(self.engine, "busy_s", 0.0)
+        return isinstance(busy, float) and busy > self.stall_timeout_s
+
+    @property
     def ready(self) -> bool:
         return (
-            self.started and not self.draining and self.start_error is None and self.refusal is None
+            self.started
+            and not self.draining
+            and self.start_error is None
+            and self.refusal is None
+            and not self.stalled
         )
 
     @property
     def state(self) -> str:
-        """Why not ready: draining, failed, refused or starting."""
+        """Why not ready: draining, failed, refused, stalled or starting."""
         if self.draining:
             return "draining"
         if self.start_error:
             return "failed"
-        return "refused" if self.refusal is not None else "starting"
+        if self.refusal is not None:
+            return "refused"
+        return "stalled" if self.stalled else "starting"
 
     def _update_ready(self) -> None:
         self.metrics.ready.set(1 if self.ready else 0)
@@ -178,6 +198,7 @@ class _GateMiddleware:
                 "draining": "the worker is shutting down; retry on another instance",
                 "failed": f"the engine failed to start: {rt.start_error}",
                 "refused": f"the KV controller refused this worker: {rt.refusal}",
+                "stalled": "the engine is stuck on one step; retry on another instance",
                 "starting": "the engine is still starting; retry when /readyz is 200",
             }[state]
             body = json.dumps(error_body(msg, code=state, type_="service_unavailable"))
@@ -216,7 +237,8 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        retry = {"retry-after": "1"} if exc.status == 503 else None  # the same request may pass
+        return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
@@ -390,6 +412,7 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
                 body["choices"][0]["prompt_token_ids"] = prep.prompt_ids
                 body["choices"][0]["token_ids"] = outcome.token_ids
             if prep.kv_transfer is not None:  # PD prefill: the proxy sends first_tok on
+                await check_transfer(engine, prep.kv_transfer)
                 n = outcome.prompt_tokens
                 body["kv_transfer_params"] = answer_params(prep.kv_transfer, outcome.first_token, n)
             return JSONResponse(body)

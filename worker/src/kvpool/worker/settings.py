@@ -100,5 +100,9 @@ class WorkerSettings(BaseSettings):
     unready_delay_s: float = Field(default=0.0, ge=0)
     drain_timeout_s: float = Field(default=20.0, ge=0)
     shutdown_deadline_s: float = Field(default=30.0, gt=0)
+    #: Readiness fails while one engine job (a step, a store) has run longer than this: a
+    #: stuck engine is routed around. Above the longest legitimate step, a prefill of
+    #: max_model_len tokens (8K tokens of the reference model: 8 s on a 2-core box at load 6).
+    stall_timeout_s: float = Field(default=120.0, gt=0)
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"

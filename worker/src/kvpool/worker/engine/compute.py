@@ -53,6 +53,7 @@ def _stop_at_exit() -> None:
 class ComputeThread:
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._busy_since: float | None = None  # monotonic start of the running job
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
         _live.add(self)
@@ -83,6 +84,12 @@ class ComputeThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def busy_s(self) -> float:
+        """Seconds the running job has taken so far; 0.0 when idle."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
@@ -91,10 +98,12 @@ class ComputeThread:
             fn, loop, fut = job
             result: Any = None
             error: BaseException | None = None
+            self._busy_since = time.monotonic()
             try:
                 result = fn()
             except BaseException as exc:  # handed to the awaiting coroutine
                 error = exc
+            self._busy_since = None
             try:
                 loop.call_soon_threadsafe(_resolve, fut, result, error)
             except RuntimeError:  # the loop is closed: nobody is waiting any more

@@ -67,10 +67,9 @@ class ReferenceEngine:
         logits_observer: LogitsObserver | None = None,
         num_threads: int | None = None,
     ) -> None:
-        """``max_batched_tokens``: token budget of one step (default max_model_len: a prompt
-        is prefilled in one step). ``model_overrides``: config fields of the random-weight
-        model (smaller models in tests). ``num_threads``: intra-op threads for prefill steps
-        (default torch's); small steps always use one."""
+        """``max_batched_tokens``: a step's token budget (default max_model_len: one-step
+        prefills); ``model_overrides``: the random-weight model's config (smaller in tests);
+        ``num_threads``: prefill intra-op threads (default torch's; small steps use one)."""
         self.options = options
         self.offload = offload
         self.model_name = options.model_name
@@ -154,6 +153,10 @@ class ReferenceEngine:
     @property
     def num_free_blocks(self) -> int:
         return self._blocks.num_free
+
+    @property
+    def busy_s(self) -> float:  # seconds the compute thread's current job has run (0.0: idle)
+        return self._compute.busy_s
 
     def _require_runner(self) -> ModelRunner:
         if self._runner is None:
@@ -437,10 +440,8 @@ class ReferenceEngine:
             self._reap_aborted()
 
     async def flush(self) -> None:
-        """Hand every completed prompt's KV to the offload now (after the running step).
-        Stores are otherwise deferred to the next step or the next idle moment; benchmarks
-        and tests call this before measuring a hit. An offload with asynchronous writes
-        (LMCache's disk and remote tiers) is also waited for, bounded by its own timeout."""
+        """Hand every completed prompt's KV to the offload now (after the running step; else
+        deferred to the next step or idle moment), and wait (bounded) for its async writes."""
         runner = self._require_runner()
         await self._compute.run(runner.flush_stores)
         offload_flush = getattr(runner.offload, "flush", None)

@@ -25,7 +25,7 @@ from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
-from kvpool.worker.engine.offload import pd, tiers
+from kvpool.worker.engine.offload import pd, pd_sender, tiers
 from kvpool.worker.engine.offload.async_lookup import AsyncLookups
 from kvpool.worker.engine.offload.config import OffloadConfigError, kv_dtype, load_config
 from kvpool.worker.engine.offload.connector import (
@@ -170,6 +170,8 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
         self._storage = self.engine.storage_manager
         # A PD receiver frees transfers nobody claims (LMCache frees only on retrieve).
         self._pd_buffer = ReceiverBuffer.of(self._storage, pd_ttl_s, self.instance_id, self._lock)
+        # A PD sender's transfers end in bounded time and find a restarted decoder again.
+        self._pd_sender = pd_sender.install(self._storage) if self.pd_role == "sender" else None
         self._registration = (
             RegistrationCheck(self.engine, str(cfg.controller_reply_url), self.instance_id)
             if cfg.enable_controller and cfg.controller_reply_url
@@ -281,20 +283,22 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
                 )
                 return
             slots = slot_mapping[:n].to(torch.long)
-            for start, end in groups:  # a PD prompt in groups (pd.store_groups), else one
-                if kv_transfer is not None:
-                    extra["transfer_spec"] = pd.transfer_spec(
-                        kv_transfer, -(-storable // self.chunk_size), last=end == groups[-1][1]
+            total_chunks = -(-storable // self.chunk_size)
+            with pd_sender.tracking(self._pd_sender, kv_transfer, total_chunks):
+                for start, end in groups:  # a PD prompt in groups (pd.store_groups), else one
+                    if kv_transfer is not None:
+                        extra["transfer_spec"] = pd.transfer_spec(
+                            kv_transfer, total_chunks, last=end == groups[-1][1]
+                        )
+                    mask = torch.ones(end, dtype=torch.bool)
+                    mask[: max(start, done)] = False
+                    self.engine.store(
+                        tokens[:end],
+                        mask=mask,
+                        kvcaches=list(kv_caches),
+                        slot_mapping=slots[:end],
+                        **extra,
                     )
-                mask = torch.ones(end, dtype=torch.bool)
-                mask[: max(start, done)] = False
-                self.engine.store(
-                    tokens[:end],
-                    mask=mask,
-                    kvcaches=list(kv_caches),
-                    slot_mapping=slots[:end],
-                    **extra,
-                )
             if kv_transfer is not None:
                 self._count("pd_sent_bytes", (storable - done) * self._payload_bytes_per_token)
                 self._count("pd_sent_requests")
@@ -407,10 +411,18 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
         keys = [k for _, _, k in self._chunks(token_ids)]
         return self._pd_buffer.release(keys, req_id)[0]
 
+    async def pd_transfer_result(self, req_id: str) -> str | None:
+        """PD sender: None once the decoder has the KV of ``req_id`` (or nothing was sent for
+        it), else why not (the transfer failed, or no outcome in ``RESULT_TIMEOUT_S``)."""
+        sender = self._pd_sender
+        return None if sender is None else await sender.result(req_id, pd_sender.RESULT_TIMEOUT_S)
+
     def metrics(self) -> dict[str, float]:
         out = dict(self._metrics)
         if self._pd_buffer is not None:
             out.update(self._pd_buffer.metrics())
+        if self._pd_sender is not None:
+            out.update(self._pd_sender.counters)
         out["lmcache_frozen"] = 1.0 if self.engine.is_frozen() else 0.0
         if self.async_lookups is not None:
             out["pending_prefetches"] = float(self.pending_prefetches())
@@ -472,6 +484,8 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
                 close_redis(self._storage)
                 deregister_first(self.engine, min(1.0, deadline_s * 0.2))
                 close_nixl_side_channels(self._storage)
+                if self._pd_sender is not None:
+                    self._pd_sender.close()
                 close_pd_sender_sockets(self._storage)
                 LMCacheEngineBuilder.destroy(self.instance_id)
             except Exception:
