@@ -106,3 +106,34 @@ def _scard(r: redis.Redis, key: str) -> int:
         return int(r.scard(key))
     except redis.RedisError:
         return -1
+
+
+def test_redis_restarted_empty_between_writes_gets_the_index_again(
+    controllers: Any, redis_server: dict[str, Any]
+) -> None:
+    """Redis killed and restarted empty while no change was written (the chaos suite's
+    redis-kill): no write fails, so nothing marked the store dirty and the index there stayed
+    lost (the next controller restart reloaded 0 workers). The marker check rewrites it."""
+    ctl = controllers("--redis-url", redis_server["url"], "--redis-namespace", "e")
+    ctx: zmq.Context[Any] = zmq.Context()
+    ops = [lm.KVOpEvent(op_type=lm.OpType.ADMIT, key=k, seq_num=i) for i, k in enumerate(KEYS)]
+    _push(
+        ctx, ctl.ports["pull"],
+        lm.RegisterMsg(instance_id="i", worker_id=0, ip="127.0.0.1", port=1, peer_init_url=None),
+        lm.BatchedKVOperationMsg(instance_id="i", worker_id=0, location="L", operations=ops),
+    )  # fmt: skip
+    ctx.destroy(linger=0)
+    r = redis.Redis(port=redis_server["port"])
+    wait_until(lambda: _scard(r, "e:keys:i\x1f0\x1fL") == 5, what="write-behind")
+    redis_server["proc"].kill()
+    redis_server["proc"].wait(10)
+    redis_server["proc"] = start_redis(redis_server["port"], redis_server["dir"])
+    # empty now, and no change is on its way to it
+    wait_until(
+        lambda: _scard(r, "e:keys:i\x1f0\x1fL") == 5 and r.hlen("e:workers") == 1,
+        timeout=15,
+        what="the index rewritten into the restarted Redis",
+    )
+    ctl.kill()
+    ctl.start()  # and a restart reloads it, before any worker re-syncs
+    assert ctl.hits(KEYS) == {"i": 5}

@@ -5,7 +5,10 @@ request path. Index changes (the same deltas the PUB stream carries) go into a b
 a background task writes them in pipelined batches. When the queue overflows or Redis fails,
 the queue is dropped and the store is marked dirty: the next successful round rewrites the whole
 index from a snapshot, so Redis converges to the truth instead of missing changes forever.
-Redis being down never stops the controller; errors are counted.
+Redis being down never stops the controller; errors are counted. Redis restarted empty (no
+persistence of its own) or flushed between two writes raises no error at all: a marker key
+written with every full rewrite is checked every :data:`CHECK_INTERVAL_S`, and its absence
+means the index there is gone, so the store rewrites it.
 
 Layout under ``<namespace>:`` — ``workers`` (hash: ``instance\\x1fworker`` → msgpack record),
 ``locs:<instance>\\x1f<worker>`` (set of locations), ``keys:<instance>\\x1f<worker>\\x1f<location>``
@@ -15,6 +18,7 @@ Layout under ``<namespace>:`` — ``workers`` (hash: ``instance\\x1fworker`` →
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -31,6 +35,8 @@ from kvpool.protocol.deltas import Delta, DeltaOp, Snapshot
 logger = logging.getLogger(__name__)
 
 SEP = "\x1f"
+#: Seconds between checks that Redis still holds what was written (the marker key).
+CHECK_INTERVAL_S = 2.0
 
 
 class StoredWorker(msgspec.Struct, frozen=True, array_like=True):
@@ -76,11 +82,15 @@ class RedisStore:
         self.healthy = True
         self._logged_error = False
         self.flushed = asyncio.Event()
+        self._checked_at = float("-inf")  # monotonic time of the last marker check
 
     # ------------------------------------------------------------------ keys
 
     def _workers_key(self) -> str:
         return f"{self.ns}:workers"
+
+    def _marker_key(self) -> str:
+        return f"{self.ns}:written"
 
     def _locs_key(self, instance_id: str, worker_id: int) -> str:
         return f"{self.ns}:locs:{instance_id}{SEP}{worker_id}"
@@ -123,9 +133,12 @@ class RedisStore:
     async def run(self, snapshot: Callable[[], Snapshot], retry_s: float = 1.0) -> None:
         """Background writer: drain the queue (or rewrite everything when dirty), forever."""
         while True:
-            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):  # at the latest, check the marker then
+                async with asyncio.timeout(CHECK_INTERVAL_S):
+                    await self._wake.wait()
             self._wake.clear()
             try:
+                await self._check_marker()
                 if self.dirty:
                     # Clear the flag with the snapshot taken, before awaiting: changes
                     # submitted during the rewrite are queued (not dropped as covered).
@@ -147,6 +160,20 @@ class RedisStore:
                     )
                 self._mark_dirty()
                 await asyncio.sleep(retry_s)
+
+    async def _check_marker(self) -> None:
+        """Every ``CHECK_INTERVAL_S``: no marker, no index (Redis restarted empty, or was
+        flushed): rewrite it from a snapshot."""
+        now = time.monotonic()
+        if self.dirty or now - self._checked_at < CHECK_INTERVAL_S:
+            return
+        self._checked_at = now
+        if not await self._redis.exists(self._marker_key()):
+            logger.warning(
+                "Redis %s holds none of the index (restarted empty or flushed): rewriting it",
+                self.url,
+            )
+            self._mark_dirty()
 
     def _recovered(self) -> None:
         if not self.healthy:
@@ -213,6 +240,7 @@ class RedisStore:
                 pipe.sadd(key, *e.keys[start : start + self.batch_keys])
             if e.keys:
                 pipe.sadd(self._locs_key(e.instance_id, e.worker_id), e.location)
+        pipe.set(self._marker_key(), str(snap.seq))
         await pipe.execute()
         logger.info("Redis %s rewritten from a snapshot at seq %d", self.url, snap.seq)
 
