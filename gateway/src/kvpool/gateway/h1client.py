@@ -26,7 +26,7 @@ import asyncio
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import cast
+from typing import Any, cast
 
 import httptools
 
@@ -62,6 +62,8 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
+        #: the set of exchanges in flight to its instance while this one is (``post``'s track)
+        self.track: set[Any] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -146,8 +148,15 @@ class _Conn(asyncio.Protocol):
 
     def abort(self) -> None:
         self.closed = True
+        self.untrack()
         if self.transport is not None:
             self.transport.abort()
+
+    def untrack(self) -> None:
+        """The exchange ended: no longer in flight."""
+        if self.track is not None:
+            self.track.discard(self)
+            self.track = None
 
     def take(self) -> bytes:
         """Every buffered body byte (resuming reads if they were paused)."""
@@ -248,6 +257,7 @@ class H1Pool:
         self._tls: ssl.SSLContext | None = None
 
     def put(self, conn: _Conn) -> None:
+        conn.untrack()
         idle = self._idle.setdefault(conn.key, [])
         if len(idle) >= MAX_IDLE_PER_HOST:
             conn.abort()
@@ -286,11 +296,22 @@ class H1Pool:
         return await self._connect(key)
 
     async def post(
-        self, host: str, port: int, path: str, body: bytes, headers: dict[str, str], tls: bool
+        self,
+        host: str,
+        port: int,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        tls: bool,
+        track: set[Any] | None = None,
     ) -> H1Response:
         """Send ``body`` (JSON bytes) to ``path`` (over TLS with ``tls``); returns once the
-        answer's head arrived."""
+        answer's head arrived. ``track``: the connection is in this set until the exchange
+        ends (released or closed), so that its owner can abort it meanwhile."""
         conn = await self._conn((host, port, tls))
+        if track is not None:
+            conn.track = track
+            track.add(conn)
         lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         head = (
             f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"

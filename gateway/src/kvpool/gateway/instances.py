@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import httpx
 
@@ -43,6 +43,9 @@ class Instance:
     retired: bool = False  # no longer configured: requests in flight finish, no new ones
     last_error: str | None = None
     probe_failures: int = 0
+    silent_probes: int = 0  # probes in a row that got no HTTP answer at all (frozen, cut off)
+    #: exchanges in flight to it (``h1client`` connections), dropped when it stops answering
+    inflight: set[Any] = field(default_factory=set, repr=False)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     _ready: bool = field(default=False, repr=False)
     on_change: Callable[[Instance], None] | None = field(default=None, repr=False)
@@ -174,7 +177,9 @@ async def probe(client: httpx.AsyncClient, inst: Instance, timeout_s: float) -> 
         resp = await client.get(f"{inst.url}/readyz", timeout=timeout_s)
     except httpx.HTTPError as exc:
         inst.last_error = f"{type(exc).__name__}: {exc}"
+        inst.silent_probes += 1
         return False
+    inst.silent_probes = 0
     if resp.status_code != 200:
         inst.last_error = f"/readyz answered {resp.status_code}"
         return False
@@ -210,7 +215,27 @@ async def probe_all(
             )
         inst.ready = ok
         metrics.instance_ready.labels(inst.name).set(1 if ok else 0)
+        if inst.silent_probes >= failures_to_unready and inst.inflight:
+            drop_inflight(inst)
     instances.frozen = {i for i in insts if i.ready and i.frozen}
+
+
+def drop_inflight(inst: Instance) -> int:
+    """Abort every exchange in flight to ``inst``, which answers no probe (a frozen process,
+    a partition): each fails like a dropped connection, so the proxy retries it elsewhere
+    before its first byte or reports it in the stream after, instead of holding the client
+    for the upstream timeout. Returns how many were dropped."""
+    exchanges = list(inst.inflight)
+    inst.inflight.clear()
+    for exchange in exchanges:
+        exchange.abort()
+    logger.warning(
+        "instance %s answers no probe (%s): dropped %d requests in flight to it",
+        inst.name,
+        inst.last_error,
+        len(exchanges),
+    )
+    return len(exchanges)
 
 
 async def health_loop(

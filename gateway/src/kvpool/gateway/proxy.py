@@ -5,7 +5,11 @@ the first byte of an answer has been forwarded, a failed attempt (connect error,
 draining worker, a connection cut before any byte) may go to another instance after a short
 backoff; after it, the client owns a partial answer and a failure can only be reported in
 the stream. Every call has a timeout; the first byte is forwarded at once; a client that
-disconnects closes the upstream response, which cancels the request on the worker.
+disconnects closes the upstream response, which cancels the request on the worker. Each
+exchange is tracked on its instance (``Instance.inflight``) while in flight: when the instance
+stops answering its probes (frozen, cut off), the health loop drops them, and they fail like
+a dropped connection (retried before the first byte, reported in the stream after it) instead
+of waiting for the upstream timeout.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class Proxy:
         """Send; read the first chunk (streamed) or the whole answer; classify failures."""
         inst = attempt.instance
         try:
-            resp = await self.upstream.post(f"{inst.url}{path}", body, headers, raw)
+            resp = await self.upstream.post(f"{inst.url}{path}", body, headers, raw, inst.inflight)
         except CONNECT_ERRORS as exc:
             raise _RetryableError("connect", f"{inst.name}: {type(exc).__name__}: {exc}") from exc
         except TIMEOUT_ERRORS as exc:

@@ -96,12 +96,14 @@ class Upstream:
         body: dict[str, Any],
         headers: dict[str, str] | None = None,
         raw: bytes | None = None,
+        track: set[Any] | None = None,
     ) -> H1Response:
         """Send ``body`` as JSON (``raw``: its bytes already, sent as they are) on a pooled
-        keep-alive connection; returns once the answer's status and headers arrived."""
+        keep-alive connection; returns once the answer's status and headers arrived.
+        ``track``: holds the exchange while it is in flight (``H1Pool.post``)."""
         host, port, path, tls = self._target(url)
         data = _ENCODE.encode(body) if raw is None else raw
-        return await self.h1.post(host, port, path, data, headers or {}, tls)
+        return await self.h1.post(host, port, path, data, headers or {}, tls, track)
 
     async def post_json(
         self, url: str, body: dict[str, Any], timeout_s: float | None = None
