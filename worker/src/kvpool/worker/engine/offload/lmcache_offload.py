@@ -25,7 +25,7 @@ from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
-from kvpool.worker.engine.offload import pd, pd_sender, tiers
+from kvpool.worker.engine.offload import p2p_guard, pd, pd_sender, tiers
 from kvpool.worker.engine.offload.async_lookup import AsyncLookups
 from kvpool.worker.engine.offload.config import OffloadConfigError, kv_dtype, load_config
 from kvpool.worker.engine.offload.connector import (
@@ -172,6 +172,8 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
         self._pd_buffer = ReceiverBuffer.of(self._storage, pd_ttl_s, self.instance_id, self._lock)
         # A PD sender's transfers end in bounded time and find a restarted decoder again.
         self._pd_sender = pd_sender.install(self._storage) if self.pd_role == "sender" else None
+        # A dead or frozen P2P peer delays one lookup, not every lookup while it is gone.
+        self._p2p = p2p_guard.install(self._storage, cfg.lookup_timeout_ms / 1000.0)
         self._registration = (
             RegistrationCheck(self.engine, str(cfg.controller_reply_url), self.instance_id)
             if cfg.enable_controller and cfg.controller_reply_url
@@ -423,6 +425,8 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
             out.update(self._pd_buffer.metrics())
         if self._pd_sender is not None:
             out.update(self._pd_sender.counters)
+        if self._p2p is not None:
+            out.update(self._p2p.counters, p2p_held_buffers=float(self._p2p.held_buffers))
         out["lmcache_frozen"] = 1.0 if self.engine.is_frozen() else 0.0
         if self.async_lookups is not None:
             out["pending_prefetches"] = float(self.pending_prefetches())
