@@ -312,12 +312,16 @@ async def test_pinning_header_moves_a_request_on_purpose() -> None:
 
 async def test_memory_api_fans_out_and_reports_per_instance() -> None:
     a, b = Script("a"), Script("b")
-    async with gateway([a, b], ControllerScript(hits={"b~x": 2})) as (client, _):
+    async with gateway([a, b], ControllerScript(hits={"b~x": 2})) as (client, state):
         await client.post("/v1/completions", json=PROMPT, headers={"x-session-id": "s1"})
+        hashes = state.hasher(list(b"abcdefghijklmnop"))
+        pending = state.selector.pending
+        assert pending.hits(hashes, state.selector.clock())  # credited where it was sent
         ev = await client.post(
             "/memory/evict", json={"session_id": "s1", "tiers": ["LocalCPUBackend"]}
         )
         assert ev.status_code == 200, ev.text
+        assert pending.hits(hashes, state.selector.clock()) == {}  # no credit for evicted KV
         body = ev.json()
         assert set(body["instances"]) == {"a", "b"} and body["ok"]
         assert a.memory_calls[0] == (

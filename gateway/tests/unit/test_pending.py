@@ -118,3 +118,30 @@ def test_entries_past_the_bound_go_oldest_prompt_first() -> None:
     pending.record("c", list(range(50)), 1.0)  # alone past the bound: its leading chunks stay
     assert len(pending) == 10
     assert pending.hits(list(range(50)), 1.0) == {"c": 10}
+
+
+def test_forget_drops_the_prompts_holding_an_evicted_chunk() -> None:
+    pending = PendingPrefixes(ttl_s=100)
+    pending.record("a", [1, 2, 3], 0.0)
+    pending.record("b", [1, 2, 3], 0.0)
+    pending.record("a", [7, 8], 0.0)
+    assert pending.forget([2], ["a"]) == 1  # a's first prompt; b's stays
+    assert pending.hits([1, 2, 3], 1.0) == {"b": 3}
+    assert pending.hits([7, 8], 1.0) == {"a": 2}
+    assert pending.forget([9], None) == 0
+    assert pending.forget([3, 8], None) == 2
+    assert pending.hits([1, 2, 3], 1.0) == {} and pending.hits([7, 8], 1.0) == {}
+    assert len(pending) == 0
+    assert pending.forget([1], ["nobody"]) == 0
+
+
+def test_forget_of_a_prompt_still_prefilling() -> None:
+    """Its ticket's later first byte or end must not touch what forget dropped."""
+    load = LoadTracker()
+    pending = PendingPrefixes(ttl_s=100)
+    ticket = load.start("a", 10, 0.0)
+    pending.record("a", [1, 2], 0.0, ticket)
+    assert pending.forget([1], ["a"]) == 1
+    load.first_byte(ticket, 1.0)
+    load.finish(ticket)
+    assert pending.hits([1, 2], 2.0) == {} and len(pending) == 0

@@ -106,6 +106,8 @@ async def _act(state: GatewayState, action: Action, data: dict[str, Any]) -> dic
     if not targets:
         raise GatewayError("no instance is ready", status=503, code="no_instance_available")
     reports = await fan_out(state.http, targets, action, body)
+    if action == "evict":  # the routing credit of what was sent there goes with the KV
+        state.selector.pending.forget(hashes, [t.name for t in targets])
     if action == "evict" and req.session_id is not None and req.instance is None:
         state.sessions.forget(req.session_id)
     return {

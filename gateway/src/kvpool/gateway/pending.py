@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpool.gateway.candidates import PrefixHit
@@ -121,6 +121,23 @@ class PendingPrefixes:
             ticket.on_change = self._ticket_changed
         while self._size > self.max_entries:
             self._drop(next(iter(self._records)))
+
+    def forget(self, hashes: Iterable[int], instances: Iterable[str] | None = None) -> int:
+        """Drop every live prompt recorded for ``instances`` (all when None) that holds any of
+        ``hashes``: that KV was evicted through the memory API, so nothing may credit it any
+        more (a record goes whole: its chunks before the evicted one could still hit, but an
+        evict names a prefix from its start). Returns how many prompts were dropped."""
+        gone = set(hashes)
+        named = None if instances is None else set(instances)
+        bits = None if named is None else {b for n, b in self._bit.items() if n in named}
+        rids = [
+            rid
+            for rid, r in self._records.items()
+            if (bits is None or r.inst in bits) and not gone.isdisjoint(r.hashes)
+        ]
+        for rid in rids:
+            self._drop(rid)
+        return len(rids)
 
     def _ticket_changed(self, ticket: Ticket) -> None:
         """The request's first byte (its entries live ``ttl_s`` more) or its end without one
