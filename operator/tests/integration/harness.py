@@ -35,6 +35,9 @@ PLURALS = {
     "ConfigMap": "api/v1/namespaces/{ns}/configmaps",
     "Deployment": "apis/apps/v1/namespaces/{ns}/deployments",
     "Secret": "api/v1/namespaces/{ns}/secrets",
+    "ServiceAccount": "api/v1/namespaces/{ns}/serviceaccounts",
+    "Role": "apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    "RoleBinding": "apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
     "PodDisruptionBudget": "apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "NetworkPolicy": "apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
 }

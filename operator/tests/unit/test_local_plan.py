@@ -279,3 +279,61 @@ def test_an_exited_child_not_yet_reaped_is_not_alive() -> None:
     assert not pid_alive(proc.pid)
     assert proc.wait(timeout=5) == 0
     assert pid_alive(os.getpid())
+
+
+def test_two_controller_replicas_get_own_ports_behind_the_services_proxy(tmp_path: Path) -> None:
+    """With ``spec.controller.replicas: 2`` each replica binds its own local ports; the
+    controller Service's ports become one proxy (``balance.balanced_services``) selecting the
+    leader at run time, and every address naming the Service (the workers' controller URLs, a
+    replica's own --leader-pub-url and --heartbeat-url) goes to the proxy, never to a replica."""
+    from kvpool.operator.local.balance import balanced_services
+    from kvpool.protocol.domain import CONTROLLER_LEADER, CONTROLLER_ROLE_LABEL
+
+    docs = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
+    docs[0]["spec"]["controller"] = {"replicas": 2}
+    path = tmp_path / "ha.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    objects = render_files([path]).objects
+    cmap = ls.cluster_map(objects, _ports())
+    (a, b) = cmap.replicas["demo-controller"]
+    service_ports = {cmap.ports[p] for p in a}
+    assert set(a) == set(b) and not (set(a.values()) & set(b.values()))
+    assert not (set(a.values()) | set(b.values())) & service_ports
+    (proxy,) = balanced_services(objects, cmap)
+    assert proxy.service == proxy.workload == "demo-controller"
+    assert proxy.selector[CONTROLLER_ROLE_LABEL] == CONTROLLER_LEADER
+    assert set(proxy.listen) == service_ports and set(proxy.listen.values()) == set(a)
+
+    loads = ls.workloads(objects)
+    assert loads["demo-controller"].replicas == 2
+    replica = ls.localize(
+        loads["demo-controller"],
+        cmap.for_replica("demo-controller", 1),
+        tmp_path,
+        SECRETS,
+        ls.pod_fields("demo-controller-1", "default"),
+    )
+    assert replica.ports == {n: b[p] for n, p in loads["demo-controller"].ports.items()}
+    pub = cmap.ports[pool_port(objects, "pub")]
+    argv = replica.argv
+    assert argv[argv.index("--leader-pub-url") + 1] == f"tcp://{ls.LOOPBACK}:{pub}"
+    heartbeat = cmap.ports[pool_port(objects, "heartbeat")]
+    assert argv[argv.index("--heartbeat-url") + 1] == f"{ls.LOOPBACK}:{heartbeat}"
+    assert replica.env["POD_NAME"] == "demo-controller-1"
+    ls.check_rewrite(loads["demo-controller"], replica, cmap.for_replica("demo-controller", 1))
+    worker = ls.localize(loads["demo-p2p-0"], cmap, tmp_path)
+    pull = cmap.ports[pool_port(objects, "pull")]
+    assert (
+        f"{ls.LOOPBACK}:{pull}"
+        in yaml.safe_load(next(iter(worker.files.values())))["controller_pull_url"]
+    )
+
+
+def pool_port(objects: list[ls.Obj], role: str) -> int:
+    (controller,) = [
+        o
+        for o in objects
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "demo-controller"
+    ]
+    (container,) = controller["spec"]["template"]["spec"]["containers"]
+    return next(int(p["containerPort"]) for p in container["ports"] if p["name"] == role)

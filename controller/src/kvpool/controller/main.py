@@ -73,6 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
         "PYTHONHASHSEED as LMCache does under vLLM",
     )
     ap.add_argument(
+        "--lease-name",
+        help="run as one of several replicas: lead while holding this coordination.k8s.io/v1 "
+        "Lease, follow the leader as a warm standby otherwise (credentials: $KUBECONFIG or the "
+        "pod's service account; pod name/namespace: env POD_NAME, POD_NAMESPACE)",
+    )
+    ap.add_argument("--leader-pub-url", help="tcp://SERVICE:PORT of the leader's delta stream")
+    ap.add_argument("--leader-snapshot-url", help="tcp://SERVICE:PORT of the leader's snapshots")
+    ap.add_argument("--lease-duration", type=int, dest="lease_duration_s", help="seconds (3)")
+    ap.add_argument("--renew-deadline", type=float, dest="renew_deadline_s", help="seconds (2)")
+    ap.add_argument("--retry-period", type=float, dest="retry_period_s", help="seconds (0.5)")
+    ap.add_argument(
+        "--heartbeat-url",
+        help="host:port workers heartbeat to (the Service's heartbeat port; default: "
+        "--advertise-host and the bound heartbeat port)",
+    )
+    ap.add_argument(
         "--persistence",
         choices=["auto", "redis", "full-sync", "none"],
         help="index recovery after a restart (default auto: redis if --redis-url, else "
@@ -144,10 +160,13 @@ async def run(settings: ControllerSettings) -> None:
         loops.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await loops
-        if loops.done() and not loops.cancelled() and loops.exception() is not None:
+        failed = loops.done() and not loops.cancelled() and loops.exception() is not None
+        if failed:
             logger.error("controller loops failed: %s", loops.exception())
         await server.close()
         logger.info("controller stopped")
+    if failed:  # a lost Lease among them: exit non-zero, the kubelet (or up) restarts a standby
+        raise SystemExit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -162,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Lease reads and renewals (ha.py) are two requests a second: httpx logs each at INFO.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         asyncio.run(run(settings))
     except AllowlistError as exc:

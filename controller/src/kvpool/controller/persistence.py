@@ -118,6 +118,11 @@ class RedisStore:
         self.flushed.clear()
         self._wake.set()
 
+    def rewrite(self) -> None:
+        """Rewrite the whole index from a snapshot on the next round (a standby that took over:
+        whatever the old leader had queued is lost)."""
+        self._mark_dirty()
+
     def _mark_dirty(self) -> None:
         self.dirty = True
         self._queue.clear()

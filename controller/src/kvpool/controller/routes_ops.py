@@ -17,10 +17,21 @@ from kvpool.controller.routes_lmcache import server_of
 router = APIRouter()
 
 
+def _role(server: Any) -> dict[str, Any]:
+    """Leader election's view (``ha.py``): role, identity, term and, while standby, its copy."""
+    return {} if server.ha is None else {"election": server.ha.describe()}
+
+
 @router.get("/")
 async def root(request: Request) -> dict[str, Any]:
     server = server_of(request)
-    return {"service": "kvpool-controller", "epoch": server.service.epoch, "ports": server.ports}
+    return {
+        "service": "kvpool-controller",
+        "epoch": server.service.epoch,
+        "term": server.service.term,
+        "ports": server.ports,
+        **_role(server),
+    }
 
 
 @router.get("/metrics")
@@ -44,6 +55,7 @@ async def readyz(request: Request) -> Response:
         "chunk_locations": len(svc.index),
         "full_sync_progress": svc.registry.sync_progress(),
         "redis": None if srv.store is None else ("ok" if srv.store.healthy else "unavailable"),
+        **_role(srv),
     }
     return Response(
         json.dumps(body), status_code=200 if srv.ready else 503, media_type="application/json"

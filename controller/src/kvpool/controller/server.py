@@ -73,6 +73,7 @@ class ControllerServer:
             self.allowlist_file.load(self.service.allowlist)
         self.ports: dict[str, int] = {}
         self.ready = False
+        self.ha: Any = None  # ha.Ha while elections run (``--lease-name``)
         self.loaded_from_redis = 0
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._shadows: dict[str, zmq.Socket[bytes]] = {}
@@ -107,7 +108,7 @@ class ControllerServer:
             host = s.advertise_host or (
                 s.host if s.host not in ("0.0.0.0", "*", "") else detect_ip()
             )
-            self.service.heartbeat_url = f"{host}:{self.ports['heartbeat']}"
+            self.service.heartbeat_url = s.heartbeat_url or f"{host}:{self.ports['heartbeat']}"
         if s.pub_port is not None:
             self._bind("pub", zmq.PUB, s.pub_port)
         if s.snapshot_port is not None:
@@ -156,10 +157,24 @@ class ControllerServer:
     # ------------------------------------------------------------------ loops
 
     async def serve(self) -> None:
-        """Run every loop until cancelled."""
+        """Run every loop until cancelled; with ``--lease-name``, as a standby until this replica
+        wins the Lease (``ha.py``)."""
+        if self.settings.lease_name is not None:
+            from kvpool.controller.ha import run_elected  # noqa: PLC0415 (ha imports this module)
+
+            await run_elected(self)
+            return
+        await self.lead()
+
+    async def lead(self, restore: bool = True, serving: asyncio.Event | None = None) -> None:
+        """Bind (if not yet), reload the index (``restore``; an adopted standby copy is instead
+        written to Redis in full), run every loop; ``serving`` is set once they run."""
         if not self._sockets:
             self.bind()
-        await self.restore()
+        if restore:
+            await self.restore()
+        elif self.store is not None:
+            self.store.rewrite()  # the old leader's last writes may not have reached Redis
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._drain_loop("pull", self._on_push))
             if "reply" in self._sockets:
@@ -178,6 +193,8 @@ class ControllerServer:
                 tg.create_task(self.store.run(self._snapshot_now))
             self.ready = True
             logger.info("controller ready (epoch %s)", self.service.epoch)
+            if serving is not None:
+                serving.set()
 
     async def _drain_loop(self, role: str, handle: Any) -> None:
         asock = self._sockets[role]
@@ -344,7 +361,8 @@ class ControllerServer:
             return
         pub = self._shadows.get("pub")
         if pub is not None:
-            frame = dl.encode(dl.DeltaBatch(self.service.epoch, deltas))
+            svc = self.service
+            frame = dl.encode(dl.DeltaBatch(svc.epoch, deltas, svc.term, svc.term_start))
             try:
                 pub.send_multipart([dl.TOPIC, frame], zmq.NOBLOCK)
                 self.service.metrics.deltas_published += len(deltas)

@@ -49,6 +49,8 @@ class ControllerService:
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.epoch = uuid.uuid4().hex[:12]
+        self.term = 0  # leadership term within the epoch (standby.adopt starts the next one)
+        self.term_start = 0  # the first delta number of this term
         self.heartbeat_url: str | None = None  # told to workers at registration
         self.record_deltas = False
         self._deltas: list[Delta] = []
@@ -118,6 +120,11 @@ class ControllerService:
     def last_seq(self) -> int:
         return self._seq
 
+    def continue_stream(self, epoch: str, seq: int, term: int) -> None:
+        """Number the next delta ``seq + 1`` of ``epoch``, in ``term`` (a standby taking over
+        the leader's stream, ``standby.adopt``)."""
+        self.epoch, self._seq, self.term, self.term_start = epoch, seq, term, seq + 1
+
     def snapshot(self) -> Snapshot:
         """The whole index and worker table, consistent with ``last_seq`` (call after taking)."""
         workers = [
@@ -129,7 +136,7 @@ class ControllerService:
             for location in self.index.locations_of(r.instance_id, r.worker_id):
                 keys = self.index.worker_keys(r.instance_id, r.worker_id, location)
                 entries.append(LocationEntry(r.instance_id, r.worker_id, location, keys))
-        return Snapshot(self.epoch, self._seq, workers, entries)
+        return Snapshot(self.epoch, self._seq, workers, entries, self.term)
 
     # ------------------------------------------------------------------ membership
 

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvpool.controller.election import ElectionConfig
 from kvpool.protocol.hashing import HashConfig, HashConfigError
 
 _PORT_ROLES = ("pull", "reply", "heartbeat")
@@ -67,6 +68,48 @@ class ControllerSettings(BaseSettings):
         "reload; needs redis_url), full-sync (ask every worker for its keys), none (no "
         "recovery: re-registered workers are not asked for their keys, the index refills "
         "from new admits), auto (redis when redis_url is set, else full-sync)",
+    )
+    lease_name: str | None = Field(
+        None,
+        description="Leader election among the controller's replicas on this "
+        "coordination.k8s.io/v1 Lease (the operator renders <pool>-controller); unset: one "
+        "controller that leads alone",
+    )
+    leader_pub_url: str | None = Field(
+        None,
+        description="With lease_name: the delta stream of whoever leads, followed while standby "
+        "(tcp://<controller Service>:<pub port>)",
+    )
+    leader_snapshot_url: str | None = Field(
+        None, description="With lease_name: the leader's snapshot socket, through the Service"
+    )
+    lease_duration_s: int = Field(
+        3, ge=1, description="Seconds a Lease not renewed stays valid (leaseDurationSeconds)"
+    )
+    renew_deadline_s: float = Field(
+        2.0, gt=0, description="A leader that could not renew for this long stops leading"
+    )
+    retry_period_s: float = Field(
+        0.5, gt=0, description="Seconds between two tries to acquire or renew the Lease"
+    )
+    pod_name: str | None = Field(
+        None,
+        validation_alias=AliasChoices("pod_name", "POD_NAME", "KVPOOL_CONTROLLER_POD_NAME"),
+        description="This replica's pod (downward API): labelled with its role, which the "
+        "controller Service selects",
+    )
+    pod_namespace: str | None = Field(
+        None,
+        validation_alias=AliasChoices(
+            "pod_namespace", "POD_NAMESPACE", "KVPOOL_CONTROLLER_POD_NAMESPACE"
+        ),
+        description="Namespace of the Lease and the pod (default: the service account's)",
+    )
+    heartbeat_url: str | None = Field(
+        None,
+        description="host:port workers are told to heartbeat to (the controller Service's "
+        "heartbeat port, so heartbeats follow the leader); default: the advertise host and the "
+        "bound heartbeat port",
     )
     chunk_size: int = Field(256, gt=0, description="Tokens per chunk for token lookups")
     hash_algorithm: str = Field(
@@ -155,6 +198,24 @@ class ControllerSettings(BaseSettings):
                 f"persistence is {self.persistence!r} but redis_url is set; drop --redis-url "
                 "or use --persistence redis"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_election(self) -> ControllerSettings:
+        if self.lease_name is None:
+            return self
+        if not self.leader_pub_url or not self.leader_snapshot_url:
+            raise ValueError(
+                "lease_name is set but leader_pub_url/leader_snapshot_url are not: a standby "
+                "follows the leader's index through the controller Service; pass "
+                "--leader-pub-url tcp://SERVICE:PUB_PORT --leader-snapshot-url "
+                "tcp://SERVICE:SNAPSHOT_PORT"
+            )
+        problems = ElectionConfig(
+            "check", self.lease_duration_s, self.renew_deadline_s, self.retry_period_s
+        ).problems()
+        if problems:
+            raise ValueError(f"leader election timing: {'; '.join(problems)}")
         return self
 
     def hash_config(self, chunk_size: int | None = None) -> HashConfig:

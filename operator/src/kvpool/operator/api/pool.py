@@ -167,7 +167,12 @@ class Persistence(ApiModel):
 class ControllerSpec(ApiModel):
     """The KV controller Deployment."""
 
-    replicas: int = Field(default=1, ge=1, le=1, description="Default 1 (single writer).")
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="Default 1. With 2 or more, the replica holding the Lease <pool>-controller "
+        "leads, the others keep a warm copy of its index and take over when it dies.",
+    )
     ports: ControllerPorts = Field(default_factory=ControllerPorts)
     persistence: Persistence = Field(default_factory=Persistence)
     health_check_interval_seconds: int = Field(default=10, ge=1, description="Default 10.")

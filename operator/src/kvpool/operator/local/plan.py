@@ -14,7 +14,10 @@ cluster provides and a laptop lacks:
 - container ports -> local ports (one map for the whole domain, so every reference to a port,
   in flags, JSON flags, env and mounted YAML, moves together);
 - ConfigMap mounts -> local files, and the env that points at them;
-- ``valueFrom: fieldRef status.podIP`` -> ``127.0.0.1``.
+- ``valueFrom: fieldRef status.podIP`` -> ``127.0.0.1`` (and the pod's name and namespace);
+- a Deployment of several replicas runs one process per replica, each binding its own local
+  ports; a Service in front of them gets local ports of its own, where ``up`` proxies each
+  connection to a replica its selector matches (:func:`balanced_services`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import itertools
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ import yaml
 
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.derive.names import LABEL_COMPONENT, LABEL_POOL
+from kvpool.protocol.domain import CONTROLLER_ROLE_LABEL
 
 LOOPBACK = "127.0.0.1"
 BIND_ANY = "0.0.0.0"
@@ -40,6 +44,9 @@ Obj = dict[str, Any]
 _ADDR = re.compile(
     r"^(?P<scheme>[a-z][a-z0-9+.-]*://)?(?P<host>[^/:\s]+)(?::(?P<port>\d+))?(?P<rest>/.*)?$"
 )
+#: Labels a pod sets on itself at run time (the controller replica holding the Lease labels
+#: its pod ``leader``): a Service selecting one still fronts the workload whose template lacks it.
+RUNTIME_LABELS = frozenset({CONTROLLER_ROLE_LABEL})
 
 
 class StackError(RuntimeError):
@@ -66,6 +73,8 @@ class Workload:
     secret_env: dict[str, tuple[str, str]] = field(default_factory=dict)  # -> (secret, key)
     labels: dict[str, str] = field(default_factory=dict)  # the workload's metadata labels
     dirs: dict[str, str] = field(default_factory=dict)  # emptyDir mount path -> volume name
+    replicas: int = 1  # a Deployment's pods (one process each under ``up``)
+    namespace: str = ""
 
     @property
     def simulated(self) -> bool:
@@ -73,19 +82,28 @@ class Workload:
         return ("--engine", "sim") in itertools.pairwise(self.argv)
 
 
-def _by_kind(objects: Sequence[Obj], kind: str) -> list[Obj]:
+def by_kind(objects: Sequence[Obj], kind: str) -> list[Obj]:
     return [o for o in objects if o.get("kind") == kind]
 
 
 def workloads(objects: Sequence[Obj]) -> dict[str, Workload]:
     """Every Deployment/StatefulSet (first container) keyed by name."""
-    configmaps = {o["metadata"]["name"]: o.get("data", {}) for o in _by_kind(objects, "ConfigMap")}
+    configmaps = {o["metadata"]["name"]: o.get("data", {}) for o in by_kind(objects, "ConfigMap")}
     out: dict[str, Workload] = {}
-    for obj in _by_kind(objects, "Deployment") + _by_kind(objects, "StatefulSet"):
+    for obj in by_kind(objects, "Deployment") + by_kind(objects, "StatefulSet"):
         name = obj["metadata"]["name"]
         labels = dict(obj["metadata"].get("labels", {}))
-        out[name] = workload_of(name, labels, obj["spec"]["template"]["spec"], configmaps)
+        w = workload_of(name, labels, obj["spec"]["template"]["spec"], configmaps)
+        w.namespace = str(obj["metadata"].get("namespace", ""))
+        if obj["kind"] == "Deployment":
+            w.replicas = int(obj["spec"].get("replicas", 1))
+        out[name] = w
     return out
+
+
+def replica_name(workload: str, index: int) -> str:
+    """The process (and pod) name of one replica of a Deployment of several."""
+    return f"{workload}-{index}"
 
 
 def workload_of(
@@ -156,12 +174,29 @@ def workload_of(
 # --------------------------------------------------------------------------- the cluster map
 @dataclass(frozen=True)
 class ClusterMap:
-    """What the cluster provides: DNS names, Service port → container port, and our ports."""
+    """What the cluster provides: DNS names, Service port → container port, and our ports.
+
+    ``ports`` is where a container port is reached (through its Service, or the pod's DNS
+    name); for a Deployment of several replicas that is the Service's proxy, and each replica
+    binds its own ports (``replicas``). ``own`` is the map of the pod being localized: the
+    ports it binds, which bare port numbers and bind addresses in its spec mean.
+    """
 
     hosts: frozenset[str]
     service_ports: Mapping[tuple[str, int], int]  # (dns host, service port) -> container port
     ports: Mapping[int, int]  # container port -> local port
     external: Mapping[tuple[str, int], int] = field(default_factory=dict)  # named service -> port
+    #: workload -> per replica: container port -> that replica's local port
+    replicas: Mapping[str, tuple[Mapping[int, int], ...]] = field(default_factory=dict)
+    own: Mapping[int, int] | None = None
+
+    @property
+    def own_ports(self) -> Mapping[int, int]:
+        return self.ports if self.own is None else self.own
+
+    def for_replica(self, workload: str, index: int) -> ClusterMap:
+        """The map replica ``index`` of ``workload`` is localized with."""
+        return replace(self, own=self.replicas[workload][index])
 
 
 @dataclass(frozen=True)
@@ -199,7 +234,7 @@ def named_services(pool: KVCachePool) -> list[NamedService]:
     return list(out.values())
 
 
-def _template_ports(obj: Obj) -> dict[str, int]:
+def template_ports(obj: Obj) -> dict[str, int]:
     (container, *_) = obj["spec"]["template"]["spec"]["containers"]
     return {
         p.get("name", str(p["containerPort"])): int(p["containerPort"])
@@ -218,9 +253,9 @@ def cluster_map(
     cluster's kubelet maps a namespace's ports once, as its pods come and go)."""
     pods = {
         o["metadata"]["name"]: o
-        for o in _by_kind(objects, "Deployment") + _by_kind(objects, "StatefulSet")
+        for o in by_kind(objects, "Deployment") + by_kind(objects, "StatefulSet")
     }
-    ports_of = {name: _template_ports(o) for name, o in pods.items()}
+    ports_of = {name: template_ports(o) for name, o in pods.items()}
     container_ports: dict[int, str] = {}
     for name, ports in ports_of.items():
         for number in ports.values():
@@ -231,28 +266,34 @@ def cluster_map(
                 )
             container_ports[number] = name
     local: dict[int, int] = {p: q for p, q in (known or {}).items() if p in container_ports}
-    taken = set((known or {}).values())
-    external: dict[tuple[str, int], int] = {}
-    while len(local) + len(external) < len(container_ports) + len(services):
-        port = allocate()
-        if port in taken or port in local.values() or port in external.values():
-            continue
-        if len(local) < len(container_ports):
-            local[sorted(set(container_ports) - set(local))[0]] = port
-        else:
-            external[services[len(external)].key] = port
+    taken = set((known or {}).values()) | set(local.values())
+
+    def fresh() -> int:
+        while True:
+            port = allocate()
+            if port not in taken:
+                taken.add(port)
+                return port
+
+    for number in sorted(set(container_ports) - set(local)):
+        local[number] = fresh()
+    external = {service.key: fresh() for service in services}
+    replicas = {
+        name: tuple(
+            {number: fresh() for number in ports_of[name].values()}
+            for _ in range(int(o["spec"].get("replicas", 1)))
+        )
+        for name, o in pods.items()
+        if o["kind"] == "Deployment" and int(o["spec"].get("replicas", 1)) > 1
+    }
     hosts: set[str] = set()
     service_ports: dict[tuple[str, int], int] = {}
-    for svc in _by_kind(objects, "Service"):
+    for svc in by_kind(objects, "Service"):
         meta, spec = svc["metadata"], svc["spec"]
         selector = spec.get("selector", {})
-        targets = [
-            ports_of[n]
-            for n, o in pods.items()
-            if selector.items() <= o["spec"]["template"]["metadata"]["labels"].items()
-        ]
+        targets = [ports_of[n] for n, o in pods.items() if selects(selector, o)]
         names = [f"{meta['name']}.{meta['namespace']}.svc"]
-        for sts in _by_kind(objects, "StatefulSet"):
+        for sts in by_kind(objects, "StatefulSet"):
             if sts["spec"].get("serviceName") == meta["name"]:
                 names += [
                     f"{sts['metadata']['name']}-{i}.{meta['name']}.{meta['namespace']}.svc"
@@ -269,7 +310,15 @@ def cluster_map(
                 continue  # a named port over several workloads: not addressed by one number
             for host in names:
                 service_ports[(host, int(sp["port"]))] = target_port
-    return ClusterMap(frozenset(hosts), service_ports, local, external)
+    return ClusterMap(frozenset(hosts), service_ports, local, external, replicas)
+
+
+def selects(selector: Mapping[str, str], workload: Obj) -> bool:
+    """Whether a Service's selector matches the workload's pods (labels its pods set on
+    themselves at run time left out: the proxy checks those on each connection)."""
+    static = {k: v for k, v in selector.items() if k not in RUNTIME_LABELS}
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return static.items() <= labels.items()
 
 
 # --------------------------------------------------------------------------- the rewrite
@@ -294,11 +343,11 @@ def _address(value: str, cmap: ClusterMap) -> str:
     if host == ZMQ_WILDCARD:
         if port is None:
             return value
-        return f"{scheme}{ZMQ_WILDCARD}:{cmap.ports.get(port, port)}{rest}"
+        return f"{scheme}{ZMQ_WILDCARD}:{cmap.own_ports.get(port, port)}{rest}"
     if port is not None and (host, port) in cmap.external:
         new_port: int | None = cmap.external[(host, port)]
     elif host == BIND_ANY:
-        new_port = cmap.ports.get(port, port) if port is not None else None
+        new_port = cmap.own_ports.get(port, port) if port is not None else None
     elif host in cmap.hosts:
         target = cmap.service_ports.get((host, port)) if port is not None else None
         new_port = cmap.ports.get(target) if target is not None else None
@@ -314,9 +363,9 @@ def _port(value: Any, cmap: ClusterMap) -> Any:
     if isinstance(value, bool):
         return value
     if isinstance(value, int):
-        return cmap.ports.get(value, value)
+        return cmap.own_ports.get(value, value)
     if isinstance(value, str) and value.isdigit():
-        return str(cmap.ports.get(int(value), int(value)))
+        return str(cmap.own_ports.get(int(value), int(value)))
     if isinstance(value, list):
         return [_port(v, cmap) for v in value]
     if isinstance(value, str) and value.startswith("{"):
@@ -369,9 +418,15 @@ def _mount(value: str, file_map: Mapping[str, str], dir_map: Mapping[str, str]) 
     return None
 
 
-#: What the pod's downward API gives a process here (``kvpool-operator up``: the pod IP only;
-#: ``kvpool-operator cluster``'s kubelet adds the pod's name, namespace, node...).
+#: What the pod's downward API gives a process here (``kvpool-operator up``: the pod IP, and
+#: the pod's name and namespace from :func:`pod_fields`; ``kvpool-operator cluster``'s kubelet
+#: adds the node...).
 LOCAL_FIELDS = {"status.podIP": LOOPBACK}
+
+
+def pod_fields(pod: str, namespace: str) -> dict[str, str]:
+    """The downward API of one pod run here: its IP (loopback), name and namespace."""
+    return {**LOCAL_FIELDS, "metadata.name": pod, "metadata.namespace": namespace}
 
 
 def localize(
@@ -418,8 +473,8 @@ def localize(
         if not isinstance(data, dict):
             raise StackError(f"{w.name}: mounted {path} is not a YAML mapping")
         files[file_map[path]] = yaml.safe_dump(_by_key("", data, cmap), sort_keys=True)
-    ready = (w.readiness[0], cmap.ports[w.readiness[1]]) if w.readiness else None
-    ports = {n: cmap.ports[p] for n, p in w.ports.items()}
+    ready = (w.readiness[0], cmap.own_ports[w.readiness[1]]) if w.readiness else None
+    ports = {n: cmap.own_ports[p] for n, p in w.ports.items()}
     return LocalWorkload(w.name, w.component, argv, env, files, file_map, ports, ready, dir_map)
 
 
@@ -469,7 +524,7 @@ def _allowed(
     dirs: Mapping[str, str] | None = None,
 ) -> bool:
     if isinstance(old, int | str) and str(old).isdigit():
-        return bool(str(new).isdigit() and int(new) == cmap.ports.get(int(old), -1))
+        return bool(str(new).isdigit() and int(new) == cmap.own_ports.get(int(old), -1))
     if isinstance(old, str) and _mount(old, files, dirs or {}) is not None:
         return bool(new == _mount(old, files, dirs or {}))
     if not isinstance(old, str) or not isinstance(new, str):
@@ -482,7 +537,8 @@ def _allowed(
     if a is None or b is None or (a[0], a[3]) != (b[0], b[3]):
         return False
     if a[1] == ZMQ_WILDCARD:  # stays a wildcard bind, on the local port
-        return b[1] == ZMQ_WILDCARD and a[2] is not None and b[2] == cmap.ports.get(a[2], a[2])
+        own = cmap.own_ports
+        return b[1] == ZMQ_WILDCARD and a[2] is not None and b[2] == own.get(a[2], a[2])
     if b[1] != LOOPBACK:
         return False
     if a[2] is not None and (a[1], a[2]) in cmap.external:
@@ -492,7 +548,7 @@ def _allowed(
     if a[2] is None:
         return b[2] is None
     if a[1] == BIND_ANY:
-        return b[2] == cmap.ports.get(a[2], a[2])
+        return b[2] == cmap.own_ports.get(a[2], a[2])
     target = cmap.service_ports.get((a[1], a[2]))
     return target is not None and b[2] == cmap.ports.get(target)
 

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.operator.local.plan import (
-    LOCAL_FIELDS,
     LOOPBACK,
     ClusterMap,
     LocalWorkload,
@@ -41,6 +40,8 @@ from kvpool.operator.local.plan import (
     cluster_map,
     host_instances,
     localize,
+    pod_fields,
+    replica_name,
     workloads,
 )
 
@@ -152,21 +153,31 @@ class LocalStack:
         *,
         edit: Callable[[Workload], None] | None = None,
         as_name: str | None = None,
-        fields: Mapping[str, str] = LOCAL_FIELDS,
+        fields: Mapping[str, str] | None = None,
+        replica: int | None = None,
     ) -> LocalWorkload:
         """The local form of one workload, checked against the render by ``check_rewrite``.
 
         ``edit`` changes the rendered form first (a hand-edited pod), so the rewrite check
-        still covers everything else; ``as_name`` runs it under another process name.
+        still covers everything else; ``as_name`` runs it under another process name;
+        ``replica``: one replica of a Deployment of several (its own ports, named
+        ``<name>-<replica>``); ``fields``: the downward API (default: ``pod_fields``).
         """
         if name not in self.rendered:
             raise StackError(f"no workload {name!r}; rendered: {sorted(self.rendered)}")
         w = copy.deepcopy(self.rendered[name])
         if edit is not None:
             edit(w)
-        lw = localize(w, self.cmap, self.root / (as_name or name), self.secrets, fields)
-        lw.name = as_name or name
-        self.rewrites[lw.name] = check_rewrite(w, lw, self.cmap)
+        cmap = self.cmap
+        if replica is not None:
+            cmap = self.cmap.for_replica(name, replica)
+            as_name = as_name or replica_name(name, replica)
+        pod = as_name or name
+        if fields is None:
+            fields = pod_fields(pod, w.namespace)
+        lw = localize(w, cmap, self.root / pod, self.secrets, fields)
+        lw.name = pod
+        self.rewrites[lw.name] = check_rewrite(w, lw, cmap)
         if w.cpu is not None and w.cpu.isdigit():
             lw.env.setdefault("OMP_NUM_THREADS", w.cpu)  # what the pod's CPU share does to torch
         return lw

@@ -13,6 +13,7 @@ directory, so ``down`` can stop them from another shell.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
@@ -22,13 +23,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.loader import load_text
+from kvpool.operator.local.balance import balanced_services
 from kvpool.operator.local.monitoring import start_prometheus
 from kvpool.operator.local.plan import (
     LOOPBACK,
@@ -37,8 +39,10 @@ from kvpool.operator.local.plan import (
     Obj,
     StackError,
     named_services,
+    replica_name,
     sim_hosts,
 )
+from kvpool.operator.local.services import Backend, LocalServices
 from kvpool.operator.local.stack import (
     LocalStack,
     Running,
@@ -129,12 +133,27 @@ def stages(stack: LocalStack, order: list[str]) -> list[list[str]]:
     return out
 
 
-def write_state(state_dir: Path, stack: LocalStack, ready: bool) -> None:
-    """The state file ``down`` and the callers of ``up`` read (written atomically)."""
+def write_state(
+    state_dir: Path, stack: LocalStack, ready: bool, services: LocalServices | None = None
+) -> None:
+    """The state file ``down`` and the callers of ``up`` read (written atomically). A
+    Deployment of several replicas is listed under ``replicas`` (its processes, each under
+    ``processes``), its endpoint is its Service's (the proxy), and ``selected`` says which
+    replicas each such Service routes to (the controller's: the leader)."""
+    endpoints = stack.endpoints()
+    for name in stack.cmap.replicas:
+        http = stack.rendered[name].ports.get("http")
+        if http is not None:
+            endpoints[name] = f"http://{LOOPBACK}:{stack.cmap.ports[http]}"
     state: dict[str, Any] = {
         "up_pid": os.getpid(),
         "ready": ready,
-        "endpoints": stack.endpoints(),
+        "endpoints": endpoints,
+        "replicas": {
+            name: [replica_name(name, i) for i in range(len(maps))]
+            for name, maps in stack.cmap.replicas.items()
+        },
+        "selected": services.selected() if services is not None else {},
         "logs": str(stack.root / "logs"),
         "processes": stack.manifest(),
         "secrets": {f"{name}/{key}": value for (name, key), value in stack.secrets.items()},
@@ -177,22 +196,25 @@ def _running(run: Running) -> bool:
 def _start_stage(
     stack: LocalStack,
     stage: list[str],
+    services: LocalServices,
     hosts: dict[str, list[str]],
     step: int,
     total: int,
     say: Callable[[str], None],
 ) -> list[tuple[int, Running]]:
-    """Start one stage: each workload in its own process, except the simulated instances of a
-    host process (``up --sim-host``), which start together in it. Returns what to wait on:
-    every workload, a hosted one with its host's process and log."""
+    """Start one stage: each workload in its own process (each replica of a Deployment of
+    several in one of its own), except the simulated instances of a host process (``up
+    --sim-host``), which start together in it. Returns what to wait on: every process, a
+    hosted instance with its host's process and log."""
     runs: list[tuple[int, Running]] = []
     hosted = {name: host for host, names in hosts.items() for name in names}
     for name in stage:
         if name not in hosted:
-            step += 1
-            run = stack.start(stack.prepare(name))
-            runs.append((step, run))
-            say(f"[{step}/{total}] {name} ({run.workload.component}) starting, log {run.log}")
+            for run in _start_pods(stack, services, name):
+                step += 1
+                runs.append((step, run))
+                what = f"{run.workload.name} ({run.workload.component})"
+                say(f"[{step}/{total}] {what} starting, log {run.log}")
     for host, names in hosts.items():
         mine = [n for n in names if n in stage]
         if not mine:
@@ -208,6 +230,24 @@ def _start_stage(
     return runs
 
 
+def _start_pods(stack: LocalStack, services: LocalServices, name: str) -> list[Running]:
+    """Start the pods of one workload: one process, or one per replica behind its Service's
+    proxy; each is a pod of the API stand-in (its labels) and gets its credentials."""
+    w = stack.rendered[name]
+    runs = []
+    replicas = range(len(stack.cmap.replicas[name])) if name in stack.cmap.replicas else [None]
+    for index in replicas:
+        lw = stack.prepare(name, replica=index)
+        lw.env.update(services.env())
+        services.store.add_pod(w.namespace, lw.name, w.labels)
+        run = stack.start(lw)
+        if index is not None:
+            ports = stack.cmap.replicas[name][index]
+            services.add(Backend(lw.name, w.namespace, name, ports, lw.readiness))
+        runs.append(run)
+    return runs
+
+
 def _serve(
     rendered: Rendered,
     state_dir: Path,
@@ -220,7 +260,10 @@ def _serve(
 ) -> int:
     """Start the stages (then Prometheus, with ``monitoring``), then supervise until ``stop``;
     every process is stopped on return."""
-    with LocalStack(rendered.objects, state_dir, rendered.services) as stack:
+    with (
+        LocalStack(rendered.objects, state_dir, rendered.services) as stack,
+        _services(stack, state_dir) as services,
+    ):
         unknown = sorted(set(skip) - set(stack.rendered))
         if unknown:
             raise StackError(
@@ -236,18 +279,20 @@ def _serve(
         hosts = sim_hosts(stack.rendered, order) if sim_host else {}
         if sim_host and not hosts:
             say("--sim-host: no simulated instance (engine.sim) in the render to host")
-        total = len(rendered.services) + len(order)
+        total = len(rendered.services) + sum(
+            len(stack.cmap.replicas.get(name, [name])) for name in order
+        )
         step = 0
         for service in rendered.services:
             step += 1
             run = stack.start_service(service)
             port = run.workload.ports["tcp"]
             say(f"[{step}/{total}] {run.workload.name} listening on {LOOPBACK}:{port}")
-            write_state(state_dir, stack, False)
+            write_state(state_dir, stack, False, services)
         for stage in stages(stack, order):  # a stage starts together, like a rollout
-            runs = _start_stage(stack, stage, hosts, step, total, say)
+            runs = _start_stage(stack, stage, services, hosts, step, total, say)
             step += len(runs)
-            write_state(state_dir, stack, False)
+            write_state(state_dir, stack, False, services)
             for n, run in runs:
                 if run.workload.readiness is None:  # no HTTP probe: its first port listening
                     for port in list(run.workload.ports.values())[:1]:
@@ -258,23 +303,43 @@ def _serve(
                 say(f"[{n}/{total}] {run.workload.name} ready after {took:.1f}s at {run.url}")
         if monitoring:  # kvpool.operator.local.monitoring: the chart's scrape config and alerts
             start_prometheus(stack, rendered.objects, ready_timeout_s, say, stop.is_set)
-        write_state(state_dir, stack, True)
-        urls = stack.endpoints()
+        write_state(state_dir, stack, True, services)
+        urls = read_state(state_dir)["endpoints"]  # type: ignore[index]
         for component in ("gateway", "controller"):
             for name in order:
                 if stack.rendered[name].component == component:
                     say(f"{component} {name} listens on {urls[name]}")
         say(f"logs: {stack.root / 'logs'}")
         say(f"up: Ctrl-C or `kvpool-operator down --state-dir {state_dir}` stops everything")
+        selected = services.selected()
         while not stop.wait(1.0):
             notes = stack.supervise()
             for note in notes:
                 say(note)
-            if notes:
-                write_state(state_dir, stack, True)
+            now = services.selected()
+            for svc, pods in now.items():
+                if pods != selected.get(svc):
+                    say(f"Service {svc} routes to {', '.join(pods) or 'no replica'}")
+            if notes or now != selected:
+                write_state(state_dir, stack, True, services)
+            selected = now
         say("stopping every process")
     say("stopped")
     return 0
+
+
+@contextlib.contextmanager
+def _services(stack: LocalStack, state_dir: Path) -> Iterator[LocalServices]:
+    """The API stand-in and the proxies of the Services in front of several replicas."""
+    namespaces = sorted({w.namespace for w in stack.rendered.values()}) or ["default"]
+    services = LocalServices(
+        state_dir / "services", namespaces[0], balanced_services(stack.objects, stack.cmap)
+    )
+    services.start()
+    try:
+        yield services
+    finally:
+        services.stop()
 
 
 def up(

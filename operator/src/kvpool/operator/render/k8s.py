@@ -167,10 +167,11 @@ def service(
     ports: dict[str, int],
     *,
     headless: bool = False,
+    selector: dict[str, str] | None = None,
 ) -> Obj:
-    """core/v1 Service selecting ``labels``, one named TCP port per entry."""
+    """core/v1 Service selecting ``labels`` (or ``selector``), one named TCP port per entry."""
     spec: Obj = {
-        "selector": dict(sorted(labels.items())),
+        "selector": dict(sorted((labels if selector is None else selector).items())),
         "ports": [
             {"name": pname, "port": port, "targetPort": port, "protocol": "TCP"}
             for pname, port in ports.items()

@@ -17,7 +17,7 @@ from kvpool.operator.derive import names
 from kvpool.operator.derive.instances import instance_url, member_instances
 from kvpool.operator.derive.platform import hashes_like_vllm, pd_sender_pull
 from kvpool.operator.derive.ports import p2p_ports, pd_ports
-from kvpool.operator.render import k8s, network
+from kvpool.operator.render import election, k8s, network
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
 from kvpool.protocol.domain import instance_id
 from kvpool.protocol.http_api import CONTROLLER_TOKEN_ENV, CONTROLLER_TOKEN_KEY, instances_body
@@ -121,6 +121,9 @@ def controller_objects(
         "--instances-file",
         names.CONTROLLER_INSTANCES_FILE,
     ]
+    elected = election.enabled(pool)
+    if elected:
+        command += election.args(pool)
     if spec.persistence.redis_url:
         command += ["--redis-url", spec.persistence.redis_url]
     if hashes_like_vllm(members):
@@ -146,7 +149,7 @@ def controller_objects(
                     "controller",
                     pool.spec.images.controller,
                     command,
-                    [*k8s.domain_env(pool), token_env],
+                    [*k8s.domain_env(pool), token_env, *(election.env() if elected else [])],
                     port_map,
                     k8s.resources(spec.resources),
                     k8s.http_probe(ports.http, "/readyz"),
@@ -158,6 +161,7 @@ def controller_objects(
         ],
         # The allowlist is re-read when the kubelet updates it: its changes restart nothing.
         "volumes": [{"name": "access", "configMap": {"name": name}}],
+        **({"serviceAccountName": election.lease_name(pool)} if elected else {}),
         **k8s.placement(pool.spec.placement),
     }
     annotations = k8s.pod_annotations(pool)
@@ -167,8 +171,11 @@ def controller_objects(
     host_network = any(m.spec.host_network for m in members)
     return [
         *controller_access(pool, members, api_token),
+        *(election.objects(pool, labels) if elected else []),
         k8s.deployment(name, ns, labels, spec.replicas, pod, annotations),
-        k8s.service(name, ns, labels, port_map),
+        k8s.service(
+            name, ns, labels, port_map, selector=election.selector(labels) if elected else None
+        ),
         network.controller_policy(
             pool, name, labels, host_network=host_network, operator_namespace=operator_namespace
         ),

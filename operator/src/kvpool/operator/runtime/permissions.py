@@ -16,8 +16,11 @@ from kvpool.operator.api.common import GROUP, VERSION
 
 Scope = Literal["namespaced", "cluster"]
 
-#: Verbs the operator may use; "update" (PUT) is deliberately absent: every write is a patch.
-Verb = Literal["get", "list", "watch", "create", "patch", "delete"]
+#: Verbs the operator may use. Its own writes are patches; "get" and "update" (PUT) are held on
+#: Leases only so that it may grant them: Kubernetes lets the operator create a Role only with
+#: permissions it holds itself (RBAC escalation prevention), and each domain's controller Role
+#: (``render/election.py``) grants Lease get/create/update and pod patch.
+Verb = Literal["get", "list", "watch", "create", "update", "patch", "delete"]
 
 #: ``kvpool-operator run`` flags the chart sets (each also reads KVPOOL_OPERATOR_<NAME>).
 HEALTH_PORT = 8080  # GET /healthz (liveness), GET /readyz (readiness)
@@ -85,7 +88,28 @@ PERMISSIONS: tuple[Permission, ...] = (
         _CHILD_VERBS,
         why="controller and worker ports kept to the domain's pods and the operator",
     ),
-    Permission("", "pods", ("list",), why="drift timer reads pod fingerprints"),
+    Permission(
+        "",
+        "pods",
+        ("list", "patch"),
+        why="drift timer reads pod fingerprints; patch only held to grant it (election)",
+    ),
+    Permission("", "serviceaccounts", _CHILD_VERBS, why="each domain controller's identity"),
+    Permission(
+        "rbac.authorization.k8s.io", "roles", _CHILD_VERBS, why="each domain controller's Role"
+    ),
+    Permission(
+        "rbac.authorization.k8s.io",
+        "rolebindings",
+        _CHILD_VERBS,
+        why="binds the controller's Role to its ServiceAccount",
+    ),
+    Permission(
+        "coordination.k8s.io",
+        "leases",
+        ("get", "create", "update"),
+        why="only held to grant it to each controller Role (election)",
+    ),
     Permission("", "events", ("create",), why="Events on invalid specs and blocked deletes"),
     Permission("", "namespaces", ("list", "watch"), "cluster", why="kopf namespace observer"),
     Permission(
