@@ -15,6 +15,8 @@ engine) into processes the cluster's kubelet runs:
   the cached tokens reported), also through the API server's services proxy;
 - a domain the schemas accept refused at ``kubectl apply`` by the operator's webhook with the
   rule's message and fix;
+- new routing (policy, weights) and ``kubectl scale p2pgroup`` reach the running gateway through
+  its mounted gateway.yaml: the same process applies them, nothing restarts it;
 - ``kubectl scale p2pgroup``, a deleted worker pod recreated and registered again, a spec change
   rolling every pod of the domain onto the new fingerprint;
 - ``kubectl delete kvcachepool`` refused while members exist; the members' finalizers
@@ -215,14 +217,18 @@ def test_helm_installs_the_chart_and_the_operator_runs_as_the_chart_describes(
         "logs", "-n", "kvpool-system", pod["metadata"]["name"]
     )
     # The pod's API credentials are its service account's: RBAC grants what the chart's
-    # ClusterRole says (the operator's lists), refuses the rest (Secrets).
+    # ClusterRole says (the operator's lists; Secrets, for each domain's controller token),
+    # refuses the rest (PersistentVolumeClaims).
     account = cluster.proc.state_dir / "pods" / "kvpool-system" / pod["metadata"]["name"]
     as_operator = ["--kubeconfig", str(account / "serviceaccount" / "kubeconfig")]
     assert "No resources found" in cluster.kubectl("get", "kvcachepools", "-A", *as_operator)
-    denied = cluster.kubectl("get", "secrets", "-n", "kvpool-system", *as_operator, check=False)
+    assert "sh.helm.release" in cluster.kubectl(
+        "get", "secrets", "-n", "kvpool-system", *as_operator
+    )
+    denied = cluster.kubectl("get", "pvc", "-n", "kvpool-system", *as_operator, check=False)
     assert (
         'User "system:serviceaccount:kvpool-system:kvpool-operator" cannot list resource '
-        '"secrets"' in denied
+        '"persistentvolumeclaims"' in denied
     ), denied
 
 
@@ -322,9 +328,48 @@ def test_a_domain_the_schemas_accept_is_refused_by_the_webhook_with_the_fix(
     _gone(cluster, "kvcachepool", "cpu-mistakes")
 
 
+def _gateway_process(cluster: Cluster) -> tuple[str, str, int, int]:
+    """The gateway pod's (name, uid, process id, restart count)."""
+    (pod,) = cluster.json("get", "pods", "-l", "kvpool.io/component=gateway")["items"]
+    name = pod["metadata"]["name"]
+    pid = cluster.proc.state()["pods"]["default"][name]["pid"]
+    restarts = pod["status"]["containerStatuses"][0]["restartCount"]
+    return name, pod["metadata"]["uid"], pid, restarts
+
+
+def _gateway_config(cluster: Cluster) -> dict[str, Any]:
+    ready = httpx.get(f"{cluster.url('simsmall-gateway')}/readyz", timeout=10).json()
+    return {"policy": ready["routing"], "instances": sorted(ready["instances"]), **ready["config"]}
+
+
+def test_new_routing_reaches_the_running_gateway_without_a_restart(cluster: Cluster) -> None:
+    process = _gateway_process(cluster)
+    before = _gateway_config(cluster)
+    assert before["policy"] == "kv-aware" and before["source"] == "start"
+    patch = '{"spec":{"gateway":{"routing":{"policy":"least-load","weights":{"load":2.5}}}}}'
+    cluster.kubectl("patch", "kvcachepool", "simsmall", "--type", "merge", "-p", patch)
+    poll(
+        "the gateway applying the ConfigMap's new routing",
+        lambda: _gateway_config(cluster)["policy"] == "least-load",
+        READY_S,
+    )
+    after = _gateway_config(cluster)
+    assert after["source"] == "file" and after["generation"] > before["generation"]
+    assert after["rejected"] is None
+    file = yaml.safe_load(
+        cluster.json("get", "configmap", "simsmall-gateway")["data"]["gateway.yaml"]
+    )
+    assert file["routing"]["weights"]["load"] == 2.5
+    back = '{"spec":{"gateway":{"routing":{"policy":"kv-aware"}}}}'
+    cluster.kubectl("patch", "kvcachepool", "simsmall", "--type", "merge", "-p", back)
+    poll("kv-aware again", lambda: _gateway_config(cluster)["policy"] == "kv-aware", READY_S)
+    assert _gateway_process(cluster) == process  # same pod, same process, never restarted
+
+
 def test_scale_a_deleted_pod_recreated_and_a_spec_change_rolling_the_domain(
     cluster: Cluster,
 ) -> None:
+    gateway = _gateway_process(cluster)
     assert "scaled" in cluster.kubectl("scale", "p2pgroup/simsmall-sim", "--replicas", "3")
     poll(
         "the fourth instance gone",
@@ -332,6 +377,12 @@ def test_scale_a_deleted_pod_recreated_and_a_spec_change_rolling_the_domain(
         and "simsmall-sim-3-0" not in _pods(cluster),
         READY_S,
     )
+    poll(
+        "the running gateway routing to three instances",
+        lambda: _gateway_config(cluster)["instances"] == INSTANCES[:3],
+        READY_S,
+    )
+    assert _gateway_process(cluster) == gateway  # the instance list changed live
     assert cluster.json("get", "p2pgroup", "simsmall-sim")["spec"]["replicas"] == 3
     poll(
         "three instances reported",

@@ -9,8 +9,12 @@ account), and every cluster address (Service and pod DNS names, container ports)
 rendered readiness probe and writes the pod's status (Ready, restarts, the last exit code,
 CrashLoopBackOff), restarts a process that exits (``restartPolicy: Always``, doubling backoff),
 stops the process when the pod is deleted (SIGTERM, SIGKILL after the grace period) and then
-completes the deletion. A pod reaches the API server through a kubeconfig holding its service
-account's token, and ``*.svc`` HTTP names through the cluster's service proxy (``HTTP_PROXY``).
+completes the deletion. A running pod's ConfigMap files follow their ConfigMap, as a real
+kubelet updates them (each file replaced at once: a reader sees the old or the new content,
+never half; a real kubelet swaps a ``..data`` symlink instead), so a process that re-reads its
+mounted config sees the change without a restart. A pod reaches the API server through a
+kubeconfig holding its service account's token, and ``*.svc`` HTTP names through the cluster's
+service proxy (``HTTP_PROXY``).
 
 One machine means one network namespace: every pod of a namespace shares its ports, so two pods
 whose containers use the same port cannot run together; the second one waits (PortsInUse).
@@ -35,6 +39,7 @@ from kvpool.operator.cluster import workloads
 from kvpool.operator.cluster.store import Obj, Res, Store, StoreError, now_stamp
 from kvpool.operator.local.plan import (
     LOOPBACK,
+    LocalWorkload,
     StackError,
     cluster_map,
     unresolved,
@@ -85,6 +90,8 @@ class Kubelet:
     stacks: dict[str, LocalStack] = field(default_factory=dict)  # by namespace
     ports: dict[str, dict[int, int]] = field(default_factory=dict)  # namespace -> port map
     dirty: asyncio.Event = field(default_factory=asyncio.Event)
+    #: a ConfigMap or Service changed: the mounted files of running pods are compared again
+    mounts_dirty: bool = False
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _http: aiohttp.ClientSession | None = None
 
@@ -94,6 +101,8 @@ class Kubelet:
     def _changed(self, res: Res, _etype: str, _obj: Obj) -> None:
         if res in (PODS, SERVICES, CONFIGMAPS, SECRETS):
             self.dirty.set()
+        if res in (SERVICES, CONFIGMAPS):
+            self.mounts_dirty = True
 
     async def run(self, stop: asyncio.Event) -> None:
         """Sync after every change and probe every few hundred milliseconds until ``stop``."""
@@ -146,6 +155,11 @@ class Kubelet:
             stack.supervise()
         for run in self.runs.values():
             self._observe(run)
+        if self.mounts_dirty:
+            self.mounts_dirty = False
+            for uid, run in self.runs.items():
+                if run.container.pid is not None and not run.stopping and uid in pods:
+                    self._refresh_mounts(run, pods[uid])
 
     def _start(self, pod: Obj, previous: PodRun | None) -> None:
         meta, spec = pod["metadata"], pod["spec"]
@@ -173,24 +187,7 @@ class Kubelet:
             )
             return
         try:
-            stack = self.stack(ns)
-            configmaps = {
-                c["metadata"]["name"]: c.get("data") or {} for c in self.store.list(CONFIGMAPS, ns)
-            }
-            labels = dict(meta.get("labels") or {})
-            stack.rendered[name] = workload_of(name, labels, spec, configmaps)
-            stack.cmap = self._cluster_map(ns)
-            self._secrets(stack, ns)
-            fields = {
-                "status.podIP": LOOPBACK,
-                "status.hostIP": LOOPBACK,
-                "metadata.name": name,
-                "metadata.namespace": ns,
-                "metadata.uid": meta["uid"],
-                "spec.nodeName": workloads.NODE,
-                "spec.serviceAccountName": str(spec.get("serviceAccountName", "default")),
-            }
-            lw = stack.prepare(name, fields=fields)
+            lw = self._localize(pod)
         except (StackError, KeyError, ValueError) as exc:
             self._wait(run, "CreateContainerConfigError", str(exc).splitlines()[0])
             return
@@ -200,7 +197,7 @@ class Kubelet:
             return
         lw.env.update(self._pod_env(ns, name, str(spec.get("serviceAccountName", "default"))))
         try:
-            proc = stack.start(lw, run.container.restarts)
+            proc = self.stack(ns).start(lw, run.container.restarts)
         except (StackError, OSError) as exc:
             self._wait(run, "RunContainerError", str(exc))
             return
@@ -210,6 +207,44 @@ class Kubelet:
         run.next_probe = 0.0
         log.info("pod %s/%s started (pid %d)", ns, name, proc.proc.pid)
         self._report(run)
+
+    def _localize(self, pod: Obj) -> LocalWorkload:
+        """The pod's container as it runs here, from the ConfigMaps, Services and Secrets of
+        its namespace as they are now."""
+        meta, spec = pod["metadata"], pod["spec"]
+        ns, name = meta["namespace"], meta["name"]
+        stack = self.stack(ns)
+        configmaps = {
+            c["metadata"]["name"]: c.get("data") or {} for c in self.store.list(CONFIGMAPS, ns)
+        }
+        labels = dict(meta.get("labels") or {})
+        stack.rendered[name] = workload_of(name, labels, spec, configmaps)
+        stack.cmap = self._cluster_map(ns)
+        self._secrets(stack, ns)
+        fields = {
+            "status.podIP": LOOPBACK,
+            "status.hostIP": LOOPBACK,
+            "metadata.name": name,
+            "metadata.namespace": ns,
+            "metadata.uid": meta["uid"],
+            "spec.nodeName": workloads.NODE,
+            "spec.serviceAccountName": str(spec.get("serviceAccountName", "default")),
+        }
+        return stack.prepare(name, fields=fields)
+
+    def _refresh_mounts(self, run: PodRun, pod: Obj) -> None:
+        """Bring a running pod's ConfigMap files up to date (what a kubelet does every sync
+        period); a file naming a Service that does not exist yet waits for it."""
+        try:
+            lw = self._localize(pod)
+        except (StackError, KeyError, ValueError) as exc:
+            log.warning("pod %s/%s: mounted files not updated: %s", run.namespace, run.name, exc)
+            return
+        if unresolved(lw):
+            self.mounts_dirty = True  # again once the Service exists
+            return
+        for path in self.stack(run.namespace).update_files(lw):
+            log.info("pod %s/%s: %s updated from its ConfigMap", run.namespace, run.name, path)
 
     def _port_holder(self, run: PodRun) -> str | None:
         """Another pod of the namespace whose process holds one of ``run``'s ports (one that is

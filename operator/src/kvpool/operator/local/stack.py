@@ -208,6 +208,22 @@ class LocalStack:
         logger.info("started %s (pid %d), log %s", lw.name, proc.pid, log)
         return run
 
+    def update_files(self, lw: LocalWorkload) -> list[str]:
+        """Write those of ``lw``'s files whose content changed, each replaced at once (a
+        reader sees the old or the new file, never half of one); returns their paths."""
+        changed = []
+        for path, text in lw.files.items():
+            target = Path(path)
+            with contextlib.suppress(OSError):
+                if target.read_text(encoding="utf-8") == text:
+                    continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staged = target.with_name(f".{target.name}.new")
+            staged.write_text(text, encoding="utf-8")
+            os.replace(staged, target)
+            changed.append(path)
+        return changed
+
     def start_host(self, name: str, instances: Sequence[LocalWorkload]) -> Running:
         """One ``kvpool-worker host`` process serving the simulated ``instances``, each with the
         argv, env and files ``prepare`` gave it to run alone; ``kvpool-worker`` parses and

@@ -90,8 +90,8 @@ def rollout_hash(pool: KVCachePool) -> str:
 
 def pod_annotations(pool: KVCachePool, mounted_config: str | None = None) -> dict[str, str]:
     """Annotations on every pod template of the domain. ``mounted_config`` is the text of the
-    config file the pod reads once at start (its LMCache YAML, the gateway's settings): its
-    hash on the template makes a change to that file alone restart the pod."""
+    config file the pod reads once at start (its LMCache YAML; of the gateway's settings, the
+    part it cannot apply live): its hash on the template makes a change to it restart the pod."""
     out = {
         names.ANNOTATION_ROLLOUT: rollout_hash(pool),
         names.ANNOTATION_FINGERPRINT: pool_fingerprint(pool),

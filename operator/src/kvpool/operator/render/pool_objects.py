@@ -20,6 +20,7 @@ from kvpool.operator.derive.ports import p2p_ports, pd_ports
 from kvpool.operator.render import election, k8s, network
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
 from kvpool.protocol.domain import instance_id
+from kvpool.protocol.gateway_config import restart_part
 from kvpool.protocol.http_api import CONTROLLER_TOKEN_ENV, CONTROLLER_TOKEN_KEY, instances_body
 
 Obj = k8s.Obj
@@ -269,12 +270,14 @@ def gateway_objects(
 ) -> list[Obj]:
     """Gateway Deployment, Service, routing ConfigMap and PDB. The routing config lists a PD
     pair only once it is in ``ready_pd_pairs`` (prefill and decode ready, DESIGN.md rule 8);
-    None (a dry run) lists every pair."""
+    None (a dry run) lists every pair. A change of routing, guards, instances or ready pairs
+    reaches the running gateway through its mounted file; only the rest restarts it."""
     spec = pool.spec.gateway
     ns = pool.metadata.namespace
     name = names.gateway_name(pool)
     labels = names.pool_labels(pool, "gateway")
-    config = k8s.config_text(_gateway_config(pool, members, ready_pd_pairs))
+    gateway_yaml = _gateway_config(pool, members, ready_pd_pairs)
+    config = k8s.config_text(gateway_yaml)
     port_map = {"http": spec.port}
     for member in sorted(members, key=lambda m: m.metadata.name):
         if isinstance(member, PDPair):
@@ -302,7 +305,10 @@ def gateway_objects(
         "--config",
         "/etc/kvpool/gateway/gateway.yaml",
     ]
-    annotations = k8s.pod_annotations(pool, config)
+    # The gateway applies a new routing, guards, instance list or PD pair list itself when the
+    # kubelet updates the mounted file (kvpool.protocol.gateway_config): the hash that restarts
+    # the pod covers only the rest of gateway.yaml, which a running gateway cannot change.
+    annotations = k8s.pod_annotations(pool, k8s.config_text(restart_part(gateway_yaml)))
     mounts: list[Obj] = [{"name": "config", "mountPath": "/etc/kvpool/gateway"}]
     volumes: list[Obj] = [{"name": "config", "configMap": {"name": name}}]
     tokenizer = spec.tokenizer
