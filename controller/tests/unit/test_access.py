@@ -273,3 +273,23 @@ def test_a_bad_file_at_start_is_an_error_naming_it(
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"--instances-file {path}" in err and error.split("'")[0] in err
+
+
+def test_refused_ids_are_bounded_oldest_first() -> None:
+    """A stranger registering ever new ids keeps at most REFUSED_KEPT of them (the latest),
+    while every refusal is still counted."""
+    from kvpool.controller import service as service_module
+
+    server = ControllerServer(ControllerSettings())
+    svc = server.service
+    svc.allowlist.replace(["a~0123456789ab"], "file")
+    extra = 10
+    ids = [f"z{i}~0123456789ab" for i in range(service_module.REFUSED_KEPT + extra)]
+    for iid in ids:
+        assert isinstance(
+            svc.handle_request(p.RegisterMsg(iid, 0, "10.0.0.2", 1, None)), p.ErrorMsg
+        )
+    kept = list(svc.refused)
+    assert len(kept) == service_module.REFUSED_KEPT
+    assert kept == ids[extra:]
+    assert svc.metrics.refusals["unknown_instance"] == len(ids)

@@ -81,7 +81,7 @@ async def stats(request: Request) -> dict[str, Any]:
     svc = server_of(request).service
     m = svc.metrics
     workers = {iid: len(svc.registry.worker_ids(iid)) for iid in svc.registry.instances()}
-    chunks = svc.index.stats()["chunks"]
+    chunks = svc.index.stats(sweep=False)["chunks"]
     return stats_reply(workers, chunks, m.location_counts(), dict(m.refusals), svc.refused)
 
 

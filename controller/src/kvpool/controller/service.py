@@ -31,6 +31,10 @@ from kvpool.protocol.index import ChunkIndex, tier_rank
 
 logger = logging.getLogger(__name__)
 
+#: Refused instance ids kept (with their reason) for events, logs and /v1/stats: a stranger
+#: trying ever new ids must not grow the controller's memory; counts stay in the metrics.
+REFUSED_KEPT = 1024
+
 
 class ControllerService:
     """Registry + index + the handlers of every LMCache controller message."""
@@ -57,7 +61,7 @@ class ControllerService:
         self._seq = -1
         self._logged_kinds: set[str] = set()
         self._warned_unsuffixed: set[str] = set()
-        self._refused: dict[str, str] = {}  # instance id -> reason
+        self._refused: dict[str, str] = {}  # instance id -> reason, the last REFUSED_KEPT
         #: The instance ids that may register (allowlist.py; none given: every id may).
         self.allowlist = Allowlist()
         self.logged_unauthorized: set[str] = set()  # routes whose 401 was logged (auth.py)
@@ -65,7 +69,7 @@ class ControllerService:
         m = self.metrics
         m.gauges["instances"] = lambda: float(len(self.registry.instances()))
         m.gauges["workers"] = lambda: float(len(self.registry))
-        m.gauges["chunks"] = lambda: float(self.index.stats()["chunks"])
+        m.gauges["chunks"] = lambda: float(self.index.stats(sweep=False)["chunks"])
         m.gauges["full_sync_progress"] = self.registry.sync_progress
         m.location_counts = self._location_counts
         self._observe_p2p = m.lookup_seconds.labels("p2p").observe
@@ -77,7 +81,7 @@ class ControllerService:
     def _location_counts(self) -> dict[str, int]:
         return {
             k.removeprefix("location:"): v
-            for k, v in self.index.stats().items()
+            for k, v in self.index.stats(sweep=False).items()
             if k.startswith("location:")
         }
 
@@ -145,6 +149,8 @@ class ControllerService:
         self.metrics.refusals[kind] += 1
         if instance_id not in self._refused:
             logger.error("refusing instance %s: %s", instance_id, reason)
+            if len(self._refused) >= REFUSED_KEPT:  # the oldest first refused goes
+                del self._refused[next(iter(self._refused))]
         self._refused[instance_id] = reason
         return reason
 

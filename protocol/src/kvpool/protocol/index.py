@@ -508,9 +508,15 @@ class ChunkIndex:
         found.sort(key=lambda row: (-row[2], row[0]))
         return found
 
-    def stats(self) -> dict[str, int]:
-        """Sizes: chunk_locations, chunks, instances, workers, and ``location:<name>`` counts."""
-        self.sweep()
+    def stats(self, *, sweep: bool = True) -> dict[str, int]:
+        """Sizes: chunk_locations, chunks, instances, workers, and ``location:<name>`` counts.
+
+        ``sweep=False`` (a metrics scrape, a stats reply) never sweeps first, so a scrape after
+        a large purge costs O(workers), not the purged keys: ``chunks`` then still counts the
+        keys only purged workers held, until :meth:`sweep` (the controller's sweep loop, in
+        bounded steps) clears them; every other figure is exact either way."""
+        if sweep:
+            self.sweep()
         out = {
             "chunk_locations": self._count,
             "chunks": len(self._chunks),
