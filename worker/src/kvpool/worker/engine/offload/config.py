@@ -57,3 +57,19 @@ def kv_dtype(dtype: torch.dtype | str) -> torch.dtype:
         return _DTYPES[dtype]
     except KeyError:
         raise OffloadConfigError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}") from None
+
+
+def refuse_unsupported(cfg: LMCacheEngineConfig, dims: tuple[int, int, int, int]) -> None:
+    """An ``OffloadConfigError`` naming the fix for what the CPU reference engine cannot run."""
+    if min(dims) <= 0:
+        raise OffloadConfigError("num_layers, num_kv_heads, head_dim, block_size must be > 0")
+    if cfg.use_layerwise or cfg.enable_blending:
+        raise OffloadConfigError(
+            "use_layerwise and enable_blending are not supported by the CPU reference "
+            "engine: set them to false"
+        )
+    if cfg.enable_p2p and not cfg.enable_async_loading:
+        raise OffloadConfigError(
+            "enable_p2p needs enable_async_loading: true (LMCache's P2P backend answers "
+            "lookups only asynchronously; a synchronous lookup never sees a peer)"
+        )

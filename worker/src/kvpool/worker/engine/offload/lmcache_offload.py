@@ -27,7 +27,12 @@ from lmcache.v1.metadata import LMCacheMetadata
 
 from kvpool.worker.engine.offload import p2p_guard, pd, pd_sender, tiers
 from kvpool.worker.engine.offload.async_lookup import AsyncLookups
-from kvpool.worker.engine.offload.config import OffloadConfigError, kv_dtype, load_config
+from kvpool.worker.engine.offload.config import (
+    OffloadConfigError,
+    kv_dtype,
+    load_config,
+    refuse_unsupported,
+)
 from kvpool.worker.engine.offload.connector import (
     TOKENS_KW,
     CPUPagedConnector,
@@ -88,18 +93,7 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
     ) -> None:
         os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # LMCache phones home otherwise
         cfg = config if isinstance(config, LMCacheEngineConfig) else load_config(config)
-        if min(num_layers, num_kv_heads, head_dim, block_size) <= 0:
-            raise OffloadConfigError("num_layers, num_kv_heads, head_dim, block_size must be > 0")
-        if cfg.use_layerwise or cfg.enable_blending:
-            raise OffloadConfigError(
-                "use_layerwise and enable_blending are not supported by the CPU reference "
-                "engine: set them to false"
-            )
-        if cfg.enable_p2p and not cfg.enable_async_loading:
-            raise OffloadConfigError(
-                "enable_p2p needs enable_async_loading: true (LMCache's P2P backend answers "
-                "lookups only asynchronously; a synchronous lookup never sees a peer)"
-            )
+        refuse_unsupported(cfg, (num_layers, num_kv_heads, head_dim, block_size))
         if cfg.lmcache_instance_id is None:
             cfg.lmcache_instance_id = instance_id
         self.instance_id = str(cfg.lmcache_instance_id)
@@ -122,18 +116,6 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
         self.connector = CPUPagedConnector(
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=self.dtype
         )
-        metadata = LMCacheMetadata(
-            model_name=model_name,
-            world_size=world_size,
-            local_world_size=world_size,
-            worker_id=worker_id,
-            local_worker_id=worker_id,
-            kv_dtype=self.dtype,
-            # LMCache sizes chunks as [2, L, T, kv_shape[3] * kv_shape[4]]: one "head" whose
-            # width is the payload plus kvpool's guard.
-            kv_shape=(num_layers, 2, self.chunk_size, 1, self.connector.row_width),
-            chunk_size=self.chunk_size,
-        )
         self._payload_bytes_per_token = (
             2 * num_layers * num_kv_heads * head_dim * self.connector.dtype.itemsize
         )
@@ -152,8 +134,37 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
             if remote is not None and addr is not None
             else None
         )
+        self.engine: LMCacheEngine = self._start_engine(cfg, world_size, worker_id)
+        assert self.engine.storage_manager is not None
+        self._storage = self.engine.storage_manager
+        self._attach(cfg, pd_ttl_s)
+        logger.info(
+            "LMCache offload %s ready: tiers %s, chunk %d tokens, %d bytes/token",
+            self.instance_id,
+            self.tiers,
+            self.chunk_size,
+            self._payload_bytes_per_token,
+        )
+
+    def _start_engine(
+        self, cfg: LMCacheEngineConfig, world_size: int, worker_id: int
+    ) -> LMCacheEngine:
+        """LMCache's engine for this instance, started (its lookup server is ours); a failure
+        destroys what it built and is raised as an ``OffloadConfigError``."""
+        metadata = LMCacheMetadata(
+            model_name=self.model_name,
+            world_size=world_size,
+            local_world_size=world_size,
+            worker_id=worker_id,
+            local_worker_id=worker_id,
+            kv_dtype=self.dtype,
+            # LMCache sizes chunks as [2, L, T, kv_shape[3] * kv_shape[4]]: one "head" whose
+            # width is the payload plus kvpool's guard.
+            kv_shape=(self.num_layers, 2, self.chunk_size, 1, self.connector.row_width),
+            chunk_size=self.chunk_size,
+        )
         try:
-            self.engine: LMCacheEngine = LMCacheEngineBuilder.get_or_create(
+            engine = LMCacheEngineBuilder.get_or_create(
                 self.instance_id,
                 cfg,
                 metadata,
@@ -161,13 +172,15 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
                 _no_broadcast,
                 _no_broadcast_object,
             )
-            self.engine.post_init(async_lookup_server=self.async_lookups)
-            pin_controller_requests(self.engine)
+            engine.post_init(async_lookup_server=self.async_lookups)
+            pin_controller_requests(engine)
         except Exception as e:
             LMCacheEngineBuilder.destroy(self.instance_id)
             raise OffloadConfigError(f"LMCache engine {self.instance_id!r} failed: {e}") from e
-        assert self.engine.storage_manager is not None
-        self._storage = self.engine.storage_manager
+        return engine
+
+    def _attach(self, cfg: LMCacheEngineConfig, pd_ttl_s: float | None) -> None:
+        """What kvpool adds to the started engine's backends, and its own watchers."""
         # A PD receiver frees transfers nobody claims (LMCache frees only on retrieve).
         self._pd_buffer = ReceiverBuffer.of(self._storage, pd_ttl_s, self.instance_id, self._lock)
         # A PD sender's transfers end in bounded time and find a restarted decoder again.
@@ -183,13 +196,6 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
             tiers.HealthProber(self._remote_health, self._on_remote_health)
             if self._remote_health is not None
             else None
-        )
-        logger.info(
-            "LMCache offload %s ready: tiers %s, chunk %d tokens, %d bytes/token",
-            self.instance_id,
-            self.tiers,
-            self.chunk_size,
-            self._payload_bytes_per_token,
         )
 
     @property
