@@ -1,12 +1,11 @@
-"""The worker's HTTP API: OpenAI completions and chat (streaming and not), models, tokenize,
-vLLM's render endpoints, health, readiness, Prometheus metrics, and the internal agent memory
-API.
+"""The worker's HTTP app: the runtime state its routes share (readiness, drain, in-flight), the
+gate in front of the API while it is not ready, the error handlers, and the routers mounted
+(``ops_api``: health, readiness, metrics; ``openai_api``: OpenAI and vLLM's render routes;
+``memory_api``: the internal agent memory API; ``pd_api``: the PD routes).
 
-Why this module exists: the gateway, benchmarks, e2e tests and people with ``curl`` all talk
-to a worker the way they talk to vLLM. This module is the glue between HTTP and an
-``engine_api.Engine``: it validates at the boundary (OpenAI-shaped 400s, never a traceback),
-tokenizes, renders text, counts what is in flight so SIGTERM can drain it, and reports
-readiness only once the engine has started and while it is not draining.
+Why this module exists: every route answers errors the same OpenAI way and none answers while
+the engine is starting, refused, stalled or draining; the runtime counts what is in flight so
+SIGTERM can drain it, and reports readiness only once the engine has started.
 """
 
 from __future__ import annotations
@@ -14,52 +13,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpool.protocol.chat import ChatMessage, TextTokenizer
-from kvpool.protocol.http_api import SESSION as SESSION_HEADER
-from kvpool.protocol.http_api import error_body, session_of
+from kvpool.protocol.chat import TextTokenizer
+from kvpool.protocol.http_api import error_body
 from kvpool.protocol.pd import RELEASE_PATH
-from kvpool.worker.engine_api import (
-    Engine,
-    EngineError,
-    GenerationRequest,
-    SamplingParams,
-)
-from kvpool.worker.generation import Delta, Outcome, generate_text
+from kvpool.worker.engine_api import Engine, EngineError
 from kvpool.worker.memory_api import SessionStore, build_memory_router
 from kvpool.worker.metrics import RuntimeMetrics
-from kvpool.worker.openai_models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    TokenizeRequest,
-    new_id,
-    now,
-    usage,
-)
-from kvpool.worker.openai_render import (
-    Prepared,
-    chat_chunk,
-    completion_chunk,
-    sse,
-    validation_body,
-)
-from kvpool.worker.pd_api import (
-    answer_params,
-    build_pd_router,
-    check_transfer,
-    parse_kv_transfer,
-)
-from kvpool.worker.render_api import build_render_router
+from kvpool.worker.openai_api import build_openai_router
+from kvpool.worker.openai_models import OpenAIError
+from kvpool.worker.openai_render import validation_body
+from kvpool.worker.ops_api import build_ops_router
+from kvpool.worker.pd_api import build_pd_router
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +197,6 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
     (``/healthz`` answers at once, ``/readyz`` turns 200 when it is up)."""
     engine = runtime.engine
     tok = runtime.tokenizer
-    served = engine.model_name
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -264,233 +237,8 @@ def build_app(runtime: WorkerRuntime, *, start_engine: bool = True) -> FastAPI:
             status_code=500,
         )
 
-    @app.get("/health")  # vLLM and SGLang servers serve /health; sglang-router requires it
-    @app.get("/healthz")
-    async def healthz() -> JSONResponse:
-        if runtime.start_error:
-            return JSONResponse({"status": "failed", "error": runtime.start_error}, 500)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
-        runtime.metrics.ready.set(1 if runtime.ready else 0)
-        if runtime.ready:
-            # frozen: ready, but what is prefilled now is not stored (the gateway prefers others)
-            return JSONResponse({"status": "ready", "model": served, "frozen": runtime.frozen})
-        body = {"status": runtime.state}
-        if runtime.refusal is not None:
-            body["reason"] = runtime.refusal
-        return JSONResponse(body, status_code=503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {
-            "id": served,
-            "object": "model",
-            "created": now(),
-            "owned_by": "kvpool",
-            "max_model_len": engine.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
-
-    def check_model(model: str | None) -> str:
-        if model is not None and model != served:
-            raise OpenAIError(
-                f"the model {model!r} does not exist on this worker; it serves {served!r}",
-                param="model",
-                code="model_not_found",
-            )
-        return served
-
-    def chat_prompt(messages: list[Any], add_generation_prompt: bool) -> list[int]:
-        try:
-            msgs = [ChatMessage(m.role, m.text()) for m in messages]
-            return tok.chat_token_ids(msgs, add_generation_prompt=add_generation_prompt)
-        except ValueError as exc:
-            raise OpenAIError(str(exc), param="messages") from exc
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        check_model(body.model)
-        if body.messages is not None:
-            ids = chat_prompt(body.messages, body.add_generation_prompt)
-        else:
-            ids = tok.encode(body.prompt or "")
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
-
-    def prepare(
-        endpoint: str,
-        body: CompletionRequest | ChatCompletionRequest,
-        prompt_ids: list[int],
-        max_tokens: int | None,
-        stop_ids: tuple[int, ...],
-        session: str | None,
-        prefix: str,
-    ) -> Prepared:
-        model = check_model(body.model)
-        limit = engine.max_model_len
-        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-        if not prompt_ids:
-            raise OpenAIError("the prompt is empty; send at least one token", param=param)
-        if len(prompt_ids) >= limit:
-            raise OpenAIError(
-                f"this model's maximum context length is {limit} tokens, but the prompt has "
-                f"{len(prompt_ids)} tokens; shorten it",
-                param=param,
-                code="context_length_exceeded",
-            )
-        room = limit - len(prompt_ids)
-        if max_tokens is None:
-            max_tokens = room
-        elif max_tokens > room:
-            raise OpenAIError(
-                f"this model's maximum context length is {limit} tokens, but you requested "
-                f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt, {max_tokens} "
-                f"to generate); lower max_tokens to at most {room}",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        extra_ids = tuple(body.stop_token_ids or ())
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop_token_ids=tuple(dict.fromkeys(stop_ids + extra_ids)),
-            ignore_eos=body.ignore_eos,
-        )
-        if session is not None:
-            runtime.sessions.remember(session, prompt_ids)
-        return Prepared(new_id(prefix), endpoint, prompt_ids, sampling, body.stop_strings(), model)
-
-    async def run(
-        prep: Prepared, stream: bool, include_usage: bool, chunk: Callable[..., dict[str, Any]]
-    ) -> Response:
-        outcome = Outcome(prompt_tokens=len(prep.prompt_ids))
-        deltas = generate_text(
-            engine,
-            tok,
-            GenerationRequest(prep.request_id, prep.prompt_ids, prep.sampling, prep.kv_transfer),
-            prep.stop,
-            outcome,
-            on_first_token=runtime.metrics.ttft.labels(prep.endpoint).observe,
-            on_token=runtime.metrics.token,
-        )
-        created = now()
-        try:
-            first = await anext(deltas)  # an EngineError surfaces here, before any byte
-        except BaseException:
-            await deltas.aclose()
-            raise
-
-        def done() -> None:
-            runtime.metrics.observe(
-                prep.endpoint,
-                prompt_tokens=outcome.prompt_tokens,
-                cached_tokens=outcome.cached_tokens,
-                finish_reason=outcome.finish_reason,
-            )
-
-        def use() -> dict[str, Any]:
-            return usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
-
-        if not stream:
-            parts = [first]
-            try:
-                parts += [d async for d in deltas]
-            finally:
-                await deltas.aclose()  # a cancelled request (client gone) aborts in the engine
-                done()
-            text = "".join(d.text for d in parts)
-            body = chunk(prep, created, text, outcome.finish_reason, final=True)
-            body["usage"] = use()
-            if prep.return_token_ids:
-                body["choices"][0]["prompt_token_ids"] = prep.prompt_ids
-                body["choices"][0]["token_ids"] = outcome.token_ids
-            if prep.kv_transfer is not None:  # PD prefill: the proxy sends first_tok on
-                await check_transfer(engine, prep.kv_transfer)
-                n = outcome.prompt_tokens
-                body["kv_transfer_params"] = answer_params(prep.kv_transfer, outcome.first_token, n)
-            return JSONResponse(body)
-
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                if chunk is chat_chunk:  # chat streams open with the assistant role
-                    yield sse(chunk(prep, created, None, None, opening=True))
-                delta: Delta | None = first
-                while delta is not None:
-                    if delta.text or delta.finish_reason:
-                        yield sse(chunk(prep, created, delta.text, delta.finish_reason))
-                    try:
-                        delta = await anext(deltas, None)
-                    except Exception as exc:  # headers are sent: report in the stream
-                        logger.exception("request %s failed mid-stream", prep.request_id)
-                        msg = f"generation failed: {exc}"
-                        yield sse(error_body(msg, type_="internal_error"))
-                        break
-                if include_usage:
-                    tail = chunk(prep, created, None, None)
-                    yield sse({**tail, "choices": [], "usage": use()})
-                yield sse("[DONE]")
-            finally:
-                await deltas.aclose()
-                done()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        ids = completion_prompt_ids(tok, body.prompt)
-        kv_transfer = parse_kv_transfer(body.kv_transfer_params, runtime.pd_info)
-        session = session_of(request.headers.get(SESSION_HEADER), body.user)
-        prep = prepare("completions", body, ids, body.max_tokens, (), session, "cmpl")
-        prep.kv_transfer = kv_transfer
-        prep.return_token_ids = body.return_token_ids
-        return await run(prep, body.stream, body.include_usage(), completion_chunk)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        ids = chat_prompt(body.messages, body.add_generation_prompt)
-        session = session_of(request.headers.get(SESSION_HEADER), body.user)
-        prep = prepare(
-            "chat",
-            body,
-            ids,
-            body.requested_max_tokens(),
-            tok.chat_stop_token_ids(),
-            session,
-            "chatcmpl",
-        )
-        return await run(prep, body.stream, body.include_usage(), chat_chunk)
-
-    def render_completion(body: CompletionRequest) -> list[int]:
-        check_model(body.model)
-        return completion_prompt_ids(tok, body.prompt)
-
-    def render_chat(body: ChatCompletionRequest) -> list[int]:
-        check_model(body.model)
-        return chat_prompt(body.messages, body.add_generation_prompt)
-
-    app.include_router(build_render_router(engine, render_completion, render_chat))
+    app.include_router(build_ops_router(runtime))
+    app.include_router(build_openai_router(runtime))
     app.include_router(build_memory_router(engine, tok, runtime.sessions))
     app.include_router(build_pd_router(runtime.pd_info, engine))
     return app
-
-
-def completion_prompt_ids(
-    tok: TextTokenizer, prompt: str | list[int] | list[str] | list[list[int]]
-) -> list[int]:
-    """One prompt: text, token ids, or a batch of exactly one of either."""
-    if isinstance(prompt, str):
-        return tok.encode(prompt)
-    if prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise OpenAIError(
-                "send one prompt per request (batches are not supported)", param="prompt"
-            )
-        return completion_prompt_ids(tok, prompt[0])
-    return [int(t) for t in prompt]  # type: ignore[arg-type]
