@@ -11,7 +11,8 @@ continues the same epoch and delta numbering in a new term, so gateways' replica
 
 What the copy lacks: per-worker LMCache sequence numbers (the first batch of each worker after
 a takeover is accepted as it comes), full-sync sessions in progress, orchestration event ids
-and refused ids; deltas the old leader had not yet published when it died.
+and refused ids; deltas the old leader had not yet published when it died; the allowlist the
+operator pushed to the leader (the new leader reads its mounted ConfigMap).
 """
 
 from __future__ import annotations
