@@ -189,6 +189,7 @@ def test_sample_families_cuts_one_family_when_none_fits() -> None:
         sample_families(reqs, 0)
 
 
+@pytest.mark.skipif(not REAL.is_file(), reason="the shared Mooncake trace is not checked out")
 def test_sample_of_the_real_trace_keeps_its_reuse() -> None:
     """Drawn from the first 1,500 requests, 300 requests in whole families reuse about as
     much as the 1,500 do (the first 300 of the file reuse far less)."""
