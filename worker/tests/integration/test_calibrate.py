@@ -26,7 +26,14 @@ def test_tiny_calibration_writes_a_profile_the_sim_engine_serves(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "box.json"
-    assert cli.main(["calibrate", "--sweep", "tiny", "--name", "box", "--out", str(out)]) == 0
+    argv = ["calibrate", "--sweep", "tiny", "--name", "box", "--out", str(out)]
+    # Under a burst of load the tiny sweep's 20 s may find no valid fit: the command then
+    # refuses (exit 1, naming the term); a second run gets another 20 s (the CI box is shared).
+    rc = cli.main(argv)
+    if rc == 1:
+        assert "calibrate:" in capsys.readouterr().err
+        rc = cli.main(argv)
+    assert rc == 0
     err = capsys.readouterr().err
     assert "calibrate: step fit" in err and f"wrote {out}" in err
 
