@@ -75,7 +75,10 @@ def test_a_trace_window_through_the_gateway_and_its_simulation(trace: Path, tmp_
     assert measured["completed"] == len(requests) and not measured["errors"]
     assert measured["hit_ratio"] > 0.2  # later turns find their earlier turns' KV
     assert measured["reasons"].get("kv-hit", 0) >= len(requests) // 2
-    assert len(measured["per_instance"]) > 1  # the load spreads over the fleet
+    # Not asserted: that the load spreads. At this load nothing queues, every cold prompt ties
+    # (no session: the first name wins) and every later turn follows its KV, so on a quiet box
+    # all 24 may go to one instance (a clean clone's run: simsmall-sim-0 took all 24) and on a
+    # loaded one they spread; the fleet benchmark measures balance under load.
 
     config = FleetConfig(
         instances=4,
