@@ -47,8 +47,12 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a decoder has to answer an allocation request. A decoder answers at once unless its
 #: buffer is over-subscribed (then it waits for space, at most the unclaimed-transfer TTL);
-#: longer than this it is dead, frozen or cut off, and the request gets a retryable error.
-SEND_TIMEOUT_S = 5.0
+#: longer than this it is dead, frozen or cut off, and the request gets a retryable error. A
+#: killed decoder is seen at once (its socket drops); this bound is for a frozen or cut-off
+#: one, and a full buffer must not trip it: 15 s (at 5 s, pushes waiting for space in a full
+#: buffer were aborted, the decoder marked stale, and the pair refused PD requests after the
+#: buffer emptied). It should be the rendered unclaimed-transfer TTL; the sender is not given it.
+SEND_TIMEOUT_S = 15.0
 #: Seconds a prefill answer waits for its transfer's outcome: the allocation answer, then the
 #: write (milliseconds between live processes) and the proxy's notification.
 RESULT_TIMEOUT_S = 2 * SEND_TIMEOUT_S
