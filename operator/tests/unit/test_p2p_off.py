@@ -41,7 +41,7 @@ def test_no_p2p_key_port_or_host_env_is_rendered() -> None:
     assert cfg["enable_controller"] is True and cfg["lmcache_worker_ports"] == [20001, 20002]
     assert cfg["extra_config"] == {
         "worker_socket_recv_timeout_ms": 3000,
-        "full_sync_startup_delay_s": 0.5,  # derive.lmcache_config.FULL_SYNC_TIMING
+        "full_sync_startup_delay_s": 0.5,  # spec.controller.fullSync defaults
         "full_sync_status_poll_interval_s": 0.5,
     }
     container = _container(render(pool(), group), "grp-0")

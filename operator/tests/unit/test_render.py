@@ -153,6 +153,29 @@ def test_cpu_p2p_uses_nixl_ucx_and_no_ascend_keys() -> None:
     assert not any(k.startswith("p2p_use") or k.startswith("p2p_pull") for k in cfg)
 
 
+def test_full_sync_timing_comes_from_the_pool_spec() -> None:
+    """spec.controller.fullSync reaches every registered instance's extra_config (0.5 s and
+    0.5 s by default; LMCache's own 5 s and 5 s when a spec names them), and a change rolls the
+    workers like any other config change."""
+    default = lmcache_configs(pool(), p2p())["grp-0"]["extra_config"]
+    assert default["full_sync_startup_delay_s"] == 0.5
+    assert default["full_sync_status_poll_interval_s"] == 0.5
+    lmcache_defaults = {"startupDelaySeconds": 5, "statusPollIntervalSeconds": 5}
+    slow = pool(controller={"fullSync": lmcache_defaults})
+    extra = lmcache_configs(slow, p2p())["grp-0"]["extra_config"]
+    assert extra["full_sync_startup_delay_s"] == 5
+    assert extra["full_sync_status_poll_interval_s"] == 5
+    hashes = [
+        o["spec"]["template"]["metadata"]["annotations"]["kvpool.io/config-hash"]
+        for spec in (pool(), slow)
+        for o in render(spec, p2p())
+        if o["kind"] == "StatefulSet"
+    ]
+    assert len(set(hashes)) == len(hashes) == 4
+    with pytest.raises(ValueError, match="statusPollIntervalSeconds"):
+        pool(controller={"fullSync": {"statusPollIntervalSeconds": 0}})
+
+
 def test_pd_sender_and_receiver_keys() -> None:
     configs = lmcache_configs(pool(), pd(transfer={"mode": "cpu-offload-pull-delay"}))
     sender, receiver = configs["pair-prefill-0"], configs["pair-decode-0"]

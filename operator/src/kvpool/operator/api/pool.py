@@ -164,6 +164,31 @@ class Persistence(ApiModel):
     )
 
 
+class FullSync(ApiModel):
+    """The timing of LMCache's full sync: after a controller restart that lost its index (one
+    replica, persistence full-sync or none) each registered worker resends every key it holds,
+    and drops every store from the start of its sync until a status poll finds it complete
+    (its freeze: those prompts are computed and not kept)."""
+
+    startup_delay_seconds: float = Field(
+        default=0.5,
+        ge=0,
+        le=60,
+        description="Default 0.5. Each worker waits a random 0 to this before its sync (and "
+        "its freeze) starts, so a domain's workers do not all sync at once. LMCache's default "
+        "is 5; a thousand workers spread over 0.5 s send the controller well within what it "
+        "ingests (controller README, benchmark), so kvpool does not make a small domain wait.",
+    )
+    status_poll_interval_seconds: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description="Default 0.5. A worker asks the controller whether its sync is complete "
+        "this often, first this long after it sent its keys: its freeze lasts at least this. "
+        "LMCache's default is 5 (a worker frozen 5 s or more, whatever the domain's size).",
+    )
+
+
 class ControllerSpec(ApiModel):
     """The KV controller Deployment."""
 
@@ -177,6 +202,7 @@ class ControllerSpec(ApiModel):
     persistence: Persistence = Field(default_factory=Persistence)
     health_check_interval_seconds: int = Field(default=10, ge=1, description="Default 10.")
     worker_timeout_seconds: int = Field(default=60, ge=1, description="Default 60.")
+    full_sync: FullSync = Field(default_factory=FullSync)
     resources: Resources = Field(default_factory=Resources)
 
 

@@ -118,19 +118,28 @@ ASCEND_ONLY_KEYS: frozenset[str] = frozenset(
 
 WORKER_SOCKET_RECV_TIMEOUT_MS = 3000
 
-#: After a controller restart every worker resends its keys (LMCache's full sync) and drops
-#: every store until the controller confirms (its freeze). LMCache waits a random 0..5 s before
-#: starting and polls the sync's status every 5 s, so a worker is frozen 5 to 10 s whatever the
-#: domain's size. kvpool renders a 0.5 s spread and a 0.5 s poll, so a worker is frozen about
-#: half a second to a second. Both are fixed, not derived from the member's size: a value that
-#: changed with the replica count would change every instance's config on a scale-up and roll
-#: them all. A thousand workers starting their syncs within 0.5 s send the controller a few
-#: thousand small messages and their keys in 2000-key batches, well within what it ingests
-#: (controller/README.md, benchmark).
-FULL_SYNC_TIMING: dict[str, float] = {
-    "full_sync_startup_delay_s": 0.5,
-    "full_sync_status_poll_interval_s": 0.5,
-}
+
+def full_sync_timing(pool: KVCachePool) -> dict[str, float]:
+    """LMCache's full-sync timing from ``spec.controller.fullSync`` (extra_config keys).
+
+    After a controller restart that lost its index every worker resends its keys (LMCache's
+    full sync) and drops every store from the start of its sync until a status poll finds it
+    complete (its freeze). lmcache 0.5.6 (``FullSyncSender``) first waits a random 0 to
+    ``full_sync_startup_delay_s`` (default 5 s; not frozen yet: it spreads the domain's syncs),
+    then freezes, sends its keys and polls every ``full_sync_status_poll_interval_s`` (default
+    5 s), so each worker is frozen at least 5 s whatever the domain's size. kvpool's defaults
+    (0.5 s and 0.5 s) are fixed, not derived from the member's size: a value that changed with
+    the replica count would change every instance's config on a scale-up and roll them all. A
+    thousand workers starting their syncs within 0.5 s send the controller a few thousand small
+    messages and their keys in 2000-key batches, well within what it ingests
+    (controller/README.md, benchmark). Measured on the cpu-demo domain: e2e/README.md, "The
+    freeze window".
+    """
+    sync = pool.spec.controller.full_sync
+    return {
+        "full_sync_startup_delay_s": sync.startup_delay_seconds,
+        "full_sync_status_poll_interval_s": sync.status_poll_interval_seconds,
+    }
 
 
 def _gb(size: int) -> float:
@@ -219,7 +228,7 @@ def p2p_config(
     # the controller died; with 3 s the worker re-registers and full-syncs within seconds
     # (measured by the controller's recovery benchmark).
     extra["worker_socket_recv_timeout_ms"] = WORKER_SOCKET_RECV_TIMEOUT_MS
-    extra.update(FULL_SYNC_TIMING)
+    extra.update(full_sync_timing(pool))
     if spec.save_only_first_rank:
         extra["save_only_first_rank"] = True
     if spec.p2p:
