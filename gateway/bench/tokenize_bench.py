@@ -8,7 +8,9 @@ gateway has no local tokenizer: the encoder's class is reported) and the chunk h
 of a few calls per size, on chat bodies of about the given sizes: ``tokenize_ms_*`` is the
 whole path a request pays (render, encode, chunk hashes), ``encode_ms_*`` and ``hash_ms_*``
 its parts, ``tokenize_cpu_ms_*`` the CPU time of the whole path (every thread of the
-process: on a shared box the wall time also counts waiting for a core).
+process: on a shared box the wall time also counts waiting for a core). The encoder is named
+with the library that encodes (``LocalEncoder/tiktoken``: kvpool.protocol.fastbpe's mirror);
+``encode_tokenizers_ms_*`` is the same rendered text through HF ``tokenizers``, side by side.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvpool.gateway.config import parse_config
 from kvpool.gateway.instances import probe_all
 from kvpool.gateway.state import build_state
 from kvpool.gateway.traces.agent import filler
+from kvpool.protocol.chat import ChatMessage
 
 SIZES = {"1k": 1024, "8k": 8192, "32k": 32768}
 
@@ -56,13 +59,23 @@ async def _measure(config: dict[str, Any], repeats: int) -> tuple[dict[str, floa
                 hash_s.append(time.perf_counter() - t1)
                 cpu_s.append(time.process_time() - c0)
                 enc_s.append(t1 - t0)
+            tokenizer = getattr(enc, "tokenizer", None)
+            if tokenizer is not None:  # the same text through HF tokenizers, side by side
+                text = tokenizer.apply_chat_template([ChatMessage(**m) for m in messages])
+                hf_s = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    tokenizer.encode_tokenizers(text)
+                    hf_s.append(time.perf_counter() - t0)
+                out[f"encode_tokenizers_ms_{key}"] = _median_ms(hf_s)
             both = [a + b for a, b in zip(enc_s, hash_s, strict=True)]
             out[f"tokenize_ms_{key}"] = _median_ms(both)
             out[f"encode_ms_{key}"] = _median_ms(enc_s)
             out[f"hash_ms_{key}"] = _median_ms(hash_s)
             out[f"tokenize_cpu_ms_{key}"] = _median_ms(cpu_s)
             out[f"tokenize_tokens_{key}"] = float(len(ids))
-        return out, type(enc).__name__
+        library = getattr(getattr(enc, "tokenizer", None), "encoder_name", "")
+        return out, f"{type(enc).__name__}/{library}" if library else type(enc).__name__
     finally:
         await state.http.aclose()
 
