@@ -69,10 +69,12 @@ def helm_install(kubeconfig: str, chart: Path, out: TextIO) -> None:
 
 
 def endpoints(state: dict[str, Any], namespace: str) -> dict[str, str]:
-    """Each workload (Deployment or StatefulSet) -> the URL of its running pod's http port."""
+    """Each workload (Deployment or StatefulSet) -> the URL of its running pod's http port
+    (of its Service's proxy, for a Deployment of several replicas: the Ready ones, the
+    controller's leader)."""
     out: dict[str, str] = {}
     for pod in (state.get("pods") or {}).get(namespace, {}).values():
-        port = (pod.get("ports") or {}).get("http")
+        port = (pod.get("service_ports") or {}).get("http") or (pod.get("ports") or {}).get("http")
         if port:
             out[str(pod["owner"])] = f"http://127.0.0.1:{port}"
     return out

@@ -17,7 +17,9 @@ kubeconfig holding its service account's token, and ``*.svc`` HTTP names through
 service proxy (``HTTP_PROXY``).
 
 One machine means one network namespace: every pod of a namespace shares its ports, so two pods
-whose containers use the same port cannot run together; the second one waits (PortsInUse).
+whose containers use the same port cannot run together; the second one waits (PortsInUse). The
+pods of a Deployment of several replicas are the exception (``endpoints``): each binds the ports
+of its own replica slot, and the Deployment's Service is a proxy to the ones that are Ready.
 """
 
 from __future__ import annotations
@@ -29,16 +31,19 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from kvpool.operator.cluster import workloads
+from kvpool.operator.cluster.endpoints import ServiceProxies, free_slot, owner_deployment
 from kvpool.operator.cluster.store import Obj, Res, Store, StoreError, now_stamp
+from kvpool.operator.local.balance import Balanced, balanced_services
 from kvpool.operator.local.plan import (
     LOOPBACK,
+    ClusterMap,
     LocalWorkload,
     StackError,
     cluster_map,
@@ -65,7 +70,9 @@ class PodRun:
     name: str
     uid: str
     container: workloads.Container
-    container_ports: set[int] = field(default_factory=set)
+    ports: dict[int, int] = field(default_factory=dict)  # container port -> the local port bound
+    deployment: str | None = None  # the Deployment of several replicas whose slot it holds
+    slot: int | None = None  # its replica slot, for the pod's lifetime
     probe: tuple[str, int] | None = None  # readiness GET path, local port
     period_s: float = 5.0
     failure_threshold: int = 3
@@ -89,11 +96,18 @@ class Kubelet:
     runs: dict[str, PodRun] = field(default_factory=dict)  # by pod uid
     stacks: dict[str, LocalStack] = field(default_factory=dict)  # by namespace
     ports: dict[str, dict[int, int]] = field(default_factory=dict)  # namespace -> port map
+    #: namespace -> Deployment of several replicas -> each replica slot's port map
+    replica_ports: dict[str, dict[str, tuple[dict[int, int], ...]]] = field(default_factory=dict)
+    proxies: ServiceProxies = field(init=False)
     dirty: asyncio.Event = field(default_factory=asyncio.Event)
     #: a ConfigMap or Service changed: the mounted files of running pods are compared again
     mounts_dirty: bool = False
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _warned: set[str] = field(default_factory=set)
     _http: aiohttp.ClientSession | None = None
+
+    def __post_init__(self) -> None:
+        self.proxies = ServiceProxies(self._eligible)
 
     def start(self) -> None:
         self.store.listeners.append(self._changed)
@@ -115,6 +129,7 @@ class Kubelet:
                 try:
                     self.sync()
                     await self.probe()
+                    await self.proxies.sync(self._balanced())
                 except Exception:  # a bug must not stop the node: log it, go on
                     log.exception("kubelet pass failed")
         finally:
@@ -175,19 +190,23 @@ class Kubelet:
         probe = container.get("readinessProbe") or {}
         run.period_s = float(probe.get("periodSeconds", 10))
         run.failure_threshold = int(probe.get("failureThreshold", 3))
-        run.container_ports = {int(p["containerPort"]) for p in container.get("ports", [])}
-        holder = self._port_holder(run)
-        if holder is not None:
-            self._wait(
-                run,
-                "PortsInUse",
-                f"container port(s) {sorted(run.container_ports)} are "
-                f"held by pod {holder} (one machine: the pods of a namespace share "
-                "127.0.0.1)",
-            )
-            return
+        numbers = sorted({int(p["containerPort"]) for p in container.get("ports", [])})
         try:
-            lw = self._localize(pod)
+            cmap = self._cluster_map(ns)
+            if not self._take_slot(run, pod, cmap):
+                return
+            own = self._own(run, cmap).own_ports
+            run.ports = {n: own.get(n, n) for n in numbers}
+            holder = self._port_holder(run)
+            if holder is not None:
+                self._wait(
+                    run,
+                    "PortsInUse",
+                    f"container port(s) {numbers} are held by {holder} (one machine: the pods "
+                    "of a namespace share 127.0.0.1)",
+                )
+                return
+            lw = self._localize(pod, run)
         except (StackError, KeyError, ValueError) as exc:
             self._wait(run, "CreateContainerConfigError", str(exc).splitlines()[0])
             return
@@ -208,9 +227,41 @@ class Kubelet:
         log.info("pod %s/%s started (pid %d)", ns, name, proc.proc.pid)
         self._report(run)
 
-    def _localize(self, pod: Obj) -> LocalWorkload:
+    def _take_slot(self, run: PodRun, pod: Obj, cmap: ClusterMap) -> bool:
+        """Give a pod of a Deployment of several replicas its replica slot (kept until its
+        process has stopped); False when every slot is held: the pod waits."""
+        deployment = owner_deployment(pod)
+        if run.slot is not None or deployment is None or deployment not in cmap.replicas:
+            return True
+        held = [
+            r
+            for r in self.runs.values()
+            if r is not run and r.namespace == run.namespace and r.deployment == deployment
+        ]
+        slot = free_slot(
+            {r.slot for r in held if r.slot is not None}, len(cmap.replicas[deployment])
+        )
+        if slot is None:
+            names = ", ".join(sorted(r.name for r in held))
+            self._wait(
+                run,
+                "PortsInUse",
+                f"every replica slot of Deployment {deployment} is held (pods {names}): "
+                "each replica binds its own ports here; this pod starts when one has stopped",
+            )
+            return False
+        run.deployment, run.slot = deployment, slot
+        return True
+
+    def _own(self, run: PodRun, cmap: ClusterMap) -> ClusterMap:
+        """The map ``run`` is localized with: its replica slot's ports, or the namespace's."""
+        if run.slot is None or run.deployment is None:
+            return cmap
+        return cmap.for_replica(run.deployment, run.slot)
+
+    def _localize(self, pod: Obj, run: PodRun) -> LocalWorkload:
         """The pod's container as it runs here, from the ConfigMaps, Services and Secrets of
-        its namespace as they are now."""
+        its namespace as they are now (on its replica slot's ports, if it holds one)."""
         meta, spec = pod["metadata"], pod["spec"]
         ns, name = meta["namespace"], meta["name"]
         stack = self.stack(ns)
@@ -219,7 +270,7 @@ class Kubelet:
         }
         labels = dict(meta.get("labels") or {})
         stack.rendered[name] = workload_of(name, labels, spec, configmaps)
-        stack.cmap = self._cluster_map(ns)
+        stack.cmap = self._own(run, self._cluster_map(ns))
         self._secrets(stack, ns)
         fields = {
             "status.podIP": LOOPBACK,
@@ -236,7 +287,7 @@ class Kubelet:
         """Bring a running pod's ConfigMap files up to date (what a kubelet does every sync
         period); a file naming a Service that does not exist yet waits for it."""
         try:
-            lw = self._localize(pod)
+            lw = self._localize(pod, run)
         except (StackError, KeyError, ValueError) as exc:
             log.warning("pod %s/%s: mounted files not updated: %s", run.namespace, run.name, exc)
             return
@@ -247,28 +298,87 @@ class Kubelet:
             log.info("pod %s/%s: %s updated from its ConfigMap", run.namespace, run.name, path)
 
     def _port_holder(self, run: PodRun) -> str | None:
-        """Another pod of the namespace whose process holds one of ``run``'s ports (one that is
-        stopping still does, until its process exits)."""
+        """Another pod of the namespace whose process holds one of ``run``'s local ports (one
+        that is stopping still does, until its process exits), or a Service's proxy."""
+        mine = set(run.ports.values())
         for other in self.runs.values():
             if (
                 other is not run
                 and other.namespace == run.namespace
                 and other.container.pid is not None
-                and other.container_ports & run.container_ports
+                and mine & set(other.ports.values())
             ):
-                return other.name
+                return f"pod {other.name}"
+        proxied = self.proxies.held(run.namespace)
+        for port in sorted(mine & set(proxied)):
+            return f"the proxy of Service {proxied[port]}"
         return None
 
-    def _cluster_map(self, ns: str) -> Any:
-        objects = (
+    def _objects(self, ns: str) -> list[Obj]:
+        return (
             self.store.list(SERVICES, ns)
             + self.store.list(STATEFULSETS, ns)
             + self.store.list(DEPLOYMENTS, ns)
         )
+
+    def _cluster_map(self, ns: str, objects: list[Obj] | None = None) -> ClusterMap:
+        """The namespace's addresses: its port map and each Deployment of several replicas'
+        slot maps, both kept as pods come and go. A Deployment scaled down to one keeps its
+        slots (and its Service's proxy) while a pod still holds one."""
+        objects = self._objects(ns) if objects is None else objects
         known = self.ports.setdefault(ns, {})
-        cmap = cluster_map(objects, free_port, (), known)
+        kept = self.replica_ports.get(ns, {})
+        cmap = cluster_map(objects, free_port, (), known, kept)
         known.update(cmap.ports)
-        return cmap
+        live = {
+            r.deployment for r in self.runs.values() if r.namespace == ns and r.slot is not None
+        }
+        several = {
+            o["metadata"]["name"] for o in objects if o.get("kind") == "Deployment"
+            and int((o.get("spec") or {}).get("replicas", 1)) > 1
+        }  # fmt: skip
+        replicas = {
+            name: tuple(dict(m) for m in maps)
+            for name, maps in cmap.replicas.items()
+            if name in several or name in live
+        }
+        self.replica_ports[ns] = replicas
+        return replace(cmap, replicas=replicas)
+
+    def _balanced(self) -> dict[str, list[Balanced]]:
+        """Per namespace with pods, the Services in front of a Deployment of several replicas."""
+        out: dict[str, list[Balanced]] = {}
+        for ns in sorted({r.namespace for r in self.runs.values()}):
+            objects = self._objects(ns)
+            try:
+                out[ns] = balanced_services(objects, self._cluster_map(ns, objects))
+            except StackError as exc:  # e.g. two pools' ports clash: the proxies stay as they are
+                out[ns] = self.proxies.current(ns)
+                if str(exc) not in self._warned:
+                    self._warned.add(str(exc))
+                    log.warning("namespace %s: Service proxies not updated: %s", ns, exc)
+        return out
+
+    def _eligible(self, ns: str, service: Balanced, port: int) -> list[int]:
+        """The local ``port`` of every pod a Service's proxy may send a connection to now:
+        of its Deployment, running, Ready, not terminating, its labels matching the selector."""
+        out = []
+        for run in sorted(self.runs.values(), key=lambda r: r.name):
+            if (
+                run.namespace != ns
+                or run.deployment != service.workload
+                or run.stopping
+                or run.container.pid is None
+                or not run.container.ready
+                or port not in run.ports
+            ):
+                continue
+            pod = self.store.find(PODS, ns, run.name)
+            if pod is None or pod["metadata"].get("deletionTimestamp"):
+                continue
+            if service.selector.items() <= (pod["metadata"].get("labels") or {}).items():
+                out.append(run.ports[port])
+        return out
 
     def _secrets(self, stack: LocalStack, ns: str) -> None:
         for secret in self.store.list(SECRETS, ns):
@@ -425,7 +535,7 @@ class Kubelet:
                 continue
             if selector and selector.items() <= (pod["metadata"].get("labels") or {}).items():
                 candidates.append((not run.container.ready, run, pod))
-        for _not_ready, _run, pod in sorted(candidates, key=lambda c: c[0]):
+        for _not_ready, backend, pod in sorted(candidates, key=lambda c: c[0]):
             number = (
                 target
                 if isinstance(target, int)
@@ -438,7 +548,7 @@ class Kubelet:
                     None,
                 )
             )
-            local = self.ports.get(ns, {}).get(int(number)) if number is not None else None
+            local = backend.ports.get(int(number)) if number is not None else None
             if local is not None:
                 return LOOPBACK, local
         return None
@@ -454,7 +564,7 @@ class Kubelet:
         return None
 
     def endpoints(self) -> dict[str, Any]:
-        """What runs where: each pod's pid, local ports and owner, per namespace."""
+        """What runs where: each pod's pid, local ports, owner and replica slot, per namespace."""
         out: dict[str, Any] = {}
         for run in self.runs.values():
             stack = self.stacks.get(run.namespace)
@@ -468,11 +578,17 @@ class Kubelet:
                 ),
                 run.name,
             )
+            front = self.proxies.front(run.namespace, run.deployment) if run.deployment else {}
+            rendered = stack.rendered.get(run.name) if stack else None
+            named = rendered.ports if rendered is not None else {}
             out.setdefault(run.namespace, {})[run.name] = {
                 "owner": owner,
                 "pid": proc.proc.pid if proc else None,
                 "ports": dict(proc.workload.ports) if proc else {},
                 "ready": run.container.ready,
+                "replica": run.slot,
+                # a replica's ports as its Service's proxy serves them (to every Ready replica)
+                "service_ports": {n: front[c] for n, c in named.items() if c in front},
                 "log": str(proc.log) if proc else None,
             }
         return out
@@ -482,6 +598,7 @@ class Kubelet:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.proxies.close()
         for stack in self.stacks.values():
             await asyncio.to_thread(stack.close, 15.0)
 

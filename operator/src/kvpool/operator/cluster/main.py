@@ -140,7 +140,8 @@ async def serve(state_dir: Path, port: int, say: TextIO, stop: asyncio.Event) ->
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)
-                _write_state(state_dir, {**state, "pods": kubelet.endpoints()})
+                pods, services = kubelet.endpoints(), kubelet.proxies.addresses()
+                _write_state(state_dir, {**state, "pods": pods, "services": services})
         finally:
             print("cluster: stopping every pod", file=say, flush=True)
             for task in tasks:
@@ -214,7 +215,8 @@ def down(state_dir: Path, out: TextIO, grace_s: float = 60.0) -> int:
 
 
 def service_url(state_dir: Path, namespace: str, service: str, port: str = "") -> str:
-    """``http://127.0.0.1:<local port>`` of a Service port, from the running cluster."""
+    """``http://127.0.0.1:<local port>`` of a Service port, from the running cluster: its
+    proxy's for a Service in front of several replicas, else a running pod's it selects."""
     import urllib.request  # noqa: PLC0415
 
     state = read_state(state_dir)
@@ -240,15 +242,17 @@ def service_url(state_dir: Path, namespace: str, service: str, port: str = "") -
     with urllib.request.urlopen(req, timeout=10, context=tls) as resp:
         items = json.loads(resp.read())["items"]
     running = (state.get("pods") or {}).get(namespace, {})
+    proxied = (state.get("services") or {}).get(namespace, {}).get(service, {})
     for pod in items:
         info = running.get(pod["metadata"]["name"])
-        if not info:
-            continue
         for p in pod["spec"]["containers"][0].get("ports", []):
-            if target in (p.get("name"), p["containerPort"]):
-                local = info["ports"].get(p.get("name", str(p["containerPort"])))
-                if local:
-                    return f"http://127.0.0.1:{local}"
+            if target not in (p.get("name"), p["containerPort"]):
+                continue
+            if str(p["containerPort"]) in proxied:  # several replicas: the Service's proxy
+                return f"http://127.0.0.1:{proxied[str(p['containerPort'])]}"
+            local = (info or {}).get("ports", {}).get(p.get("name", str(p["containerPort"])))
+            if local:
+                return f"http://127.0.0.1:{local}"
     raise RuntimeError(f"service {namespace}/{service} has no running pod yet")
 
 

@@ -247,10 +247,14 @@ def cluster_map(
     allocate: Allocate,
     services: Sequence[NamedService] = (),
     known: Mapping[int, int] | None = None,
+    known_replicas: Mapping[str, Sequence[Mapping[int, int]]] | None = None,
 ) -> ClusterMap:
     """DNS names of every Service (and StatefulSet pod), a local port per container port, and
     one per named service; ``known``: container ports already mapped (kept as they are: the
-    cluster's kubelet maps a namespace's ports once, as its pods come and go)."""
+    cluster's kubelet maps a namespace's ports once, as its pods come and go);
+    ``known_replicas``: the replica port maps of Deployments already handed out (kept, and
+    kept fronted by their Service's proxy while they are, even scaled to one replica: the
+    cluster's kubelet keeps a pod's ports for its lifetime)."""
     pods = {
         o["metadata"]["name"]: o
         for o in by_kind(objects, "Deployment") + by_kind(objects, "StatefulSet")
@@ -266,7 +270,10 @@ def cluster_map(
                 )
             container_ports[number] = name
     local: dict[int, int] = {p: q for p, q in (known or {}).items() if p in container_ports}
-    taken = set((known or {}).values()) | set(local.values())
+    kept = {n: list(maps) for n, maps in (known_replicas or {}).items() if n in pods}
+    taken = set((known or {}).values()) | {
+        p for maps in kept.values() for m in maps for p in m.values()
+    }
 
     def fresh() -> int:
         while True:
@@ -278,14 +285,17 @@ def cluster_map(
     for number in sorted(set(container_ports) - set(local)):
         local[number] = fresh()
     external = {service.key: fresh() for service in services}
-    replicas = {
-        name: tuple(
-            {number: fresh() for number in ports_of[name].values()}
-            for _ in range(int(o["spec"].get("replicas", 1)))
-        )
-        for name, o in pods.items()
-        if o["kind"] == "Deployment" and int(o["spec"].get("replicas", 1)) > 1
-    }
+    replicas: dict[str, tuple[Mapping[int, int], ...]] = {}
+    for name, o in pods.items():
+        count = int(o["spec"].get("replicas", 1)) if o["kind"] == "Deployment" else 0
+        if count > 1 or name in kept:
+            numbers = ports_of[name].values()  # a kept map gains a port the template added
+            maps = [{n: m.get(n) or fresh() for n in numbers} for m in kept.get(name, [])]
+            maps += [
+                {number: fresh() for number in ports_of[name].values()}
+                for _ in range(count - len(maps))
+            ]
+            replicas[name] = tuple(maps)
     hosts: set[str] = set()
     service_ports: dict[tuple[str, int], int] = {}
     for svc in by_kind(objects, "Service"):

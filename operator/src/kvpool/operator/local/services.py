@@ -156,20 +156,32 @@ class LocalServices:
         self, listen: int, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter
     ) -> None:
         service = self.balanced[listen]
-        eligible = self.eligible(service)
-        if not eligible:
-            client_w.close()  # no ready endpoint: the client retries
-            return
-        backend = eligible[next(self._rr) % len(eligible)]
-        target = backend.ports[service.listen[listen]]
-        try:
-            server_r, server_w = await asyncio.wait_for(
-                asyncio.open_connection(LOOPBACK, target), CONNECT_TIMEOUT_S
-            )
-        except (OSError, TimeoutError):
-            client_w.close()
-            return
-        await asyncio.gather(_pipe(client_r, server_w), _pipe(server_r, client_w))
+        targets = [b.ports[service.listen[listen]] for b in self.eligible(service)]
+        await forward(client_r, client_w, targets, next(self._rr))
+
+
+async def forward(
+    client_r: asyncio.StreamReader,
+    client_w: asyncio.StreamWriter,
+    targets: Sequence[int],
+    turn: int,
+) -> None:
+    """One accepted connection of a Service's proxy, sent to the local port ``targets[turn]``
+    (round robin over the endpoints eligible now) and copied both ways until either side
+    ends; with no endpoint, or one that does not accept, it is closed at once and the client
+    retries. Also the proxy of ``kvpool-operator cluster``'s kubelet."""
+    if not targets:
+        client_w.close()  # no ready endpoint: the client retries
+        return
+    target = targets[turn % len(targets)]
+    try:
+        server_r, server_w = await asyncio.wait_for(
+            asyncio.open_connection(LOOPBACK, target), CONNECT_TIMEOUT_S
+        )
+    except (OSError, TimeoutError):
+        client_w.close()
+        return
+    await asyncio.gather(_pipe(client_r, server_w), _pipe(server_r, client_w))
 
 
 async def _probe(http: aiohttp.ClientSession, backend: Backend) -> bool:
