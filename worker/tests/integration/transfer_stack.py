@@ -11,12 +11,14 @@ worker restricts UCX to ``lo``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +176,22 @@ def pd_config(name: str, role: str, proxy_port: int, init: int, alloc: int) -> d
     else:
         cfg.update(pd_peer_host="127.0.0.1", pd_peer_init_port=[init], pd_peer_alloc_port=[alloc])
     return cfg
+
+
+@contextlib.contextmanager
+def proxy_notifications(port: int) -> Iterator[Any]:
+    """The PULL socket a PD sender notifies (``ProxyNotif``), as the gateway binds it."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    try:
+        yield sock
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def disagg_spec(info: dict[str, Any], req_id: str) -> dict[str, Any]:

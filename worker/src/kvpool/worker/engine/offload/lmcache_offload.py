@@ -40,6 +40,7 @@ from kvpool.worker.engine.offload.connector import (
 )
 from kvpool.worker.engine.offload.memory_ops import MemoryOps
 from kvpool.worker.engine.offload.pd_buffer import ReceiverBuffer
+from kvpool.worker.engine.offload.pd_keep import LOCAL_CPU_BACKEND, ReceiverKeep
 from kvpool.worker.engine.offload.prefetch import PrefetchOps
 from kvpool.worker.engine.offload.registration import RegistrationCheck
 from kvpool.worker.engine.offload.storage_ops import (
@@ -185,6 +186,8 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
         self._pd_buffer = ReceiverBuffer.of(self._storage, pd_ttl_s, self.instance_id, self._lock)
         # A PD sender's transfers end in bounded time and find a restarted decoder again.
         self._pd_sender = pd_sender.install(self._storage) if self.pd_role == "sender" else None
+        # A PD receiver with a CPU tier keeps its finished requests there (the gateway's bypass).
+        self._pd_keep = ReceiverKeep.of(self.engine, cfg, self.connector)
         # A dead or frozen P2P peer delays one lookup, not every lookup while it is gone.
         self._p2p = p2p_guard.install(self._storage, cfg.lookup_timeout_ms / 1000.0)
         self._registration = (
@@ -256,11 +259,11 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
         kv_transfer: KVTransferParams | None = None,
     ) -> None:
         """Store into the tiers; a PD sender hands the KV to ``kv_transfer``'s receiver
-        instead (and stores nothing without it); a PD receiver never stores (vLLM's
-        kv_consumer does not save)."""
+        instead (and stores nothing without it); a PD receiver stores only with a CPU tier,
+        there (``pd_keep``; vLLM's kv_consumer does not save)."""
         tokens = list(token_ids)
         n = len(tokens)
-        if n == 0 or self.pd_role == "receiver":
+        if n == 0 or (self.pd_role == "receiver" and self._pd_keep is None):
             return
         if self.pd_role == "sender" and kv_transfer is None:
             return
@@ -271,6 +274,9 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
             storable = n if self.config.save_unfull_chunk else n - n % self.chunk_size
             extra: dict[str, Any] = {TOKENS_KW: tokens}
             groups = [(0, n)]
+            if self._pd_keep is not None:
+                self._keep(tokens[:storable], kv_caches, slot_mapping[:n].to(torch.long))
+                return
             if kv_transfer is not None:
                 done = 0  # the receiver has nothing yet: send the whole prompt
                 extra["req_id"] = kv_transfer.req_id
@@ -321,6 +327,19 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
                 if tier in tiers.BACKEND_OF_TIER or self._remote_up():
                     self._count(f"stored_bytes.{tier}", nbytes)
 
+    def _keep(
+        self, tokens: list[int], kv_caches: Sequence[torch.Tensor], slots: torch.Tensor
+    ) -> None:
+        """PD receiver with a CPU tier: keep the whole chunks of ``tokens`` there."""
+        assert self._pd_keep is not None
+        if self.engine.is_frozen():  # LMCache's own stores are dropped too (see store)
+            self._count("store_skipped_frozen_tokens", len(tokens))
+            return
+        kept = self._pd_keep.store(self._chunks(tokens), tokens, kv_caches, slots)
+        if kept:
+            self._count(f"stored_bytes.{tiers.LOCAL_CPU}", kept * self._payload_bytes_per_token)
+            self._count("pd_kept_tokens", kept)
+
     def _remote_up(self) -> bool:
         return self._remote_health is None or self._remote_health.up
 
@@ -361,10 +380,9 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
             hit = int(self.engine.lookup(tokens[:span], lookup_id=req_id, pin=True))
             mapping = {loc: list(keys) for loc, keys in self.engine.lookup_pins[req_id].items()}
             hit = self._check_disk_lengths(tokens[:hit], mapping)
-            # LMCache maps the prefix to tiers in backend order, local CPU first: those chunks
-            # were sealed here or verified on their way in.
-            local = len(mapping.get(tiers.BACKEND_OF_TIER[tiers.LOCAL_CPU], ()))
-            report = RetrieveReport(trusted_starts={i * self.chunk_size for i in range(local)})
+            # LMCache maps the prefix to tiers in backend order (a PD decoder's buffer first,
+            # then local CPU): local CPU chunks were sealed here or verified on their way in.
+            report = RetrieveReport(trusted_starts=self._local_starts(mapping))
             try:
                 got = (
                     self._engine_retrieve(tokens[:hit], kv_caches, slots, req_id, report)
@@ -388,6 +406,16 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
             else:
                 self._count("lookup_miss_requests")
             return loaded
+
+    def _local_starts(self, mapping: Mapping[str, list[CacheEngineKey]]) -> set[int]:
+        """The token starts of the chunks ``mapping`` (backend -> keys, in prefix order) serves
+        from local CPU."""
+        pos, out = 0, set[int]()
+        for backend, keys in mapping.items():
+            if backend == LOCAL_CPU_BACKEND:
+                out.update(range(pos, pos + len(keys) * self.chunk_size, self.chunk_size))
+            pos += len(keys) * self.chunk_size
+        return out
 
     def _check_disk_lengths(
         self, tokens: list[int], mapping: Mapping[str, list[CacheEngineKey]]
