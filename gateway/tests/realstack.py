@@ -85,12 +85,14 @@ class Procs:
 
 
 def _pd_config(name: str, role: str, buffer_bytes: int, lines: list[str]) -> str:
-    return "\n".join([
+    base = [
         "chunk_size: 256", "enable_pd: true", "local_cpu: false", "nixl_backends: [UCX]",
         "pd_buffer_device: cpu", f"pd_buffer_size: {buffer_bytes}", f"pd_role: {role}",
         "pre_caching_hash_algorithm: builtin", "transfer_channel: nixl", "use_layerwise: false",
-        f"lmcache_instance_id: {instance_id(name, domain_fingerprint(FACTS))}", *lines, "",
-    ])  # fmt: skip
+        f"lmcache_instance_id: {instance_id(name, domain_fingerprint(FACTS))}",
+    ]  # fmt: skip
+    given = {line.split(":")[0] for line in lines}  # a key of ``lines`` replaces the base's
+    return "\n".join([*(b for b in base if b.split(":")[0] not in given), *lines, ""])
 
 
 def start_pd_pair(
@@ -100,10 +102,12 @@ def start_pd_pair(
     buffer_bytes: int = 64 * 2**20,
     decoder_extra: str | None = None,
     kv_blocks: int = 256,
+    decoder_lines: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """A prefill (sender, ``pre-0``) and a decode (receiver, ``dec-0``) reference worker,
     configured as the operator renders a cpu PDPair (``pd_proxy_port``: the gateway's PULL);
-    ``decoder_extra``: the decoder's ``extra_config`` as YAML flow. Skips without NIXL."""
+    ``decoder_extra``: the decoder's ``extra_config`` as YAML flow; ``decoder_lines``: more
+    YAML lines of the decoder's config (replacing the base's keys). Skips without NIXL."""
     if importlib.util.find_spec("nixl") is None:
         pytest.skip("NIXL is not installed (make install installs it)")
     proxy_port, init_port, alloc_port = free_port(), free_port(), free_port()
@@ -115,7 +119,7 @@ def start_pd_pair(
         "prefill": _pd_config("pre-0", "sender", buffer_bytes, [
             "pd_proxy_host: 127.0.0.1", f"pd_proxy_port: {proxy_port}", "save_unfull_chunk: true",
         ]),
-        "decode": _pd_config("dec-0", "receiver", buffer_bytes, decoder),
+        "decode": _pd_config("dec-0", "receiver", buffer_bytes, [*decoder, *decoder_lines]),
     }  # fmt: skip
     urls = {}
     for role, text in configs.items():

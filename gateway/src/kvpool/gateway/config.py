@@ -70,6 +70,14 @@ class PDPairConfig(_Model):
     proxy_port: int = Field(ge=1, le=65535)
     prefill: list[InstanceRef] = Field(min_length=1)
     decode: list[DecodeRef] = Field(min_length=1)
+    bypass_min_cached_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="PD bypass (pool spec.gateway.pd.bypassMinCachedRatio): a request whose "
+        "prompt a decode instance holds at least this share of goes straight to it, without "
+        "prefill and transfer (the decoders must keep their requests: a CPU tier). 0: off",
+    )
 
 
 class Guards(_Model):

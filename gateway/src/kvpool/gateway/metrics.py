@@ -95,6 +95,13 @@ class GatewayMetrics:
         self.pd_transfers = Counter(
             "kvpool_gateway_pd_requests", "PD requests by outcome", ["pair", "outcome"], registry=r
         )
+        self.pd_paths = Counter(
+            "kvpool_gateway_pd_paths",
+            "PD requests by path (bypass: straight to a decoder holding the prompt; prefill: "
+            "prefill and transfer) and reason (decoder-cached, below-ratio, bypass-off)",
+            ["pair", "path", "reason"],
+            registry=r,
+        )
         self.pd_releases = Counter(
             "kvpool_gateway_pd_releases",
             "Transfers the PD proxy asked a decoder to free (it will not decode them), by outcome",

@@ -7,7 +7,9 @@ routing policy chooses the decode instance (its KV arrives by transfer, so load 
 matters), the proxy sends both steps (the prefill with its retries and breakers), the
 coordinator tracks and releases transfers. Both steps speak ``/v1/completions`` with token
 ids, as LMCache's proxy does; a chat request is answered in chat shape (the text of the
-prefill's first token, then the decoder's, re-wrapped as ``chat.completion`` objects).
+prefill's first token, then the decoder's, re-wrapped as ``chat.completion`` objects). With the
+pair's ``bypassMinCachedRatio`` a request whose prompt a decoder mostly holds already goes
+straight to that decoder as a plain request (``pd_bypass``), answered in the same shapes.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvpool.gateway import pd_bypass
+from kvpool.gateway.candidates import Candidates
 from kvpool.gateway.errors import GatewayError, upstream_error
 from kvpool.gateway.instances import Instance
 from kvpool.gateway.pd import PDCoordinator
-from kvpool.gateway.proxy import Attempt, Proxy
+from kvpool.gateway.proxy import Attempt, Chooser, Proxy
 from kvpool.gateway.routing import Decision, Policy, RouteRequest, make_policy
-from kvpool.gateway.selection import Prompt, Selector
+from kvpool.gateway.selection import Hits, Prompt, Selector
 from kvpool.protocol.http_api import INSTANCE, ROUTE_REASON
 
 _DROP = ("messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
@@ -92,7 +96,9 @@ class PDFlow:
     chat_stop_token_ids: Callable[[], tuple[int, ...]]
     decode_policy: Policy = field(default_factory=lambda: make_policy(DECODE_POLICY))
 
-    def _decode_instance(self, pair: str, prompt: Prompt) -> tuple[Instance, Decision]:
+    def _decode_instance(
+        self, pair: str, prompt: Prompt, note: str = ""
+    ) -> tuple[Instance, Decision]:
         sel = self.selector
         cands = sel.candidates(sel.instances.of_group(pair, "decode"), prompt, None, set())
         if not cands:
@@ -108,8 +114,68 @@ class PDFlow:
         sel.metrics.decisions.labels(decision.reason, decision.instance).inc()
         inst = sel.instances.by_name[decision.instance]
         if sel.observer is not None:  # the request's explain record
-            sel.observer("decode", prompt.hashes, None, cands, decision, inst)
+            sel.observer("decode", prompt.hashes, None, cands, decision, inst, note)
         return inst, decision
+
+    def _only(
+        self, pair: str, inst: Instance, prompt: Prompt, decision: Decision, what: str
+    ) -> Chooser:
+        """The proxy's chooser for a step that only ``inst`` can take (no retry elsewhere)."""
+
+        async def choose(n: int, exclude: set[str]) -> Attempt:
+            if inst.name in exclude:
+                raise upstream_error(
+                    502, f"PD pair {pair}: {what} on {inst.name} failed", "decode_failed"
+                )
+            return self.selector.admit(inst, prompt, decision)
+
+        return choose
+
+    async def _bypass_verdict(
+        self, pair: str, prompt: Prompt
+    ) -> tuple[pd_bypass.BypassVerdict, Candidates, Hits]:
+        """Whether the pair's decoders hold enough of the prompt to skip prefill and transfer
+        (what the index and the pending entries say; counted in ``pd_paths``)."""
+        sel = self.selector
+        config = self.coordinator.pairs.get(pair)
+        ratio = config.bypass_min_cached_ratio if config is not None else 0.0
+        hits = await sel.hits(prompt) if ratio > 0 else None
+        decoders = sel.instances.of_group(pair, "decode")
+        cands = sel.candidates(decoders, prompt, hits, set()) if ratio > 0 else Candidates.of([])
+        verdict = pd_bypass.decide(cands, prompt.tokens, sel.chunk_size, ratio)
+        path = pd_bypass.PATH_BYPASS if verdict.bypass else pd_bypass.PATH_PREFILL
+        self.coordinator.metrics.pd_paths.labels(pair, path, verdict.reason).inc()
+        return verdict, cands, hits
+
+    async def _serve_bypassed(
+        self,
+        pair: str,
+        endpoint: str,
+        body: dict[str, Any],
+        prompt: Prompt,
+        found: tuple[pd_bypass.BypassVerdict, Candidates, Hits],
+        on_done: Callable[[], None],
+    ) -> Response:
+        """The whole request on the decoder that holds its prompt, as a plain request (it loads
+        what it holds and prefills the rest); answered in the shape the PD path answers."""
+        verdict, cands, hits = found
+        sel = self.selector
+        inst = sel.instances.by_name[cands.names[verdict.position]]
+        decision = Decision(inst.name, pd_bypass.PD_BYPASS, verdict.cached_tokens)
+        sel.metrics.decisions.labels(decision.reason, inst.name).inc()
+        if sel.observer is not None:
+            note = verdict.note(cands.names, prompt.tokens)
+            sel.observer("bypass", prompt.hashes, hits, cands, decision, inst, note)
+        self.coordinator.metrics.pd_transfers.labels(pair, "bypassed").inc()
+        choose = self._only(pair, inst, prompt, decision, "the bypass")
+        resp = await self.proxy.forward(choose, "/v1/completions", body, {}, on_done, endpoint)
+        if resp.status_code != 200 or endpoint != "chat":
+            return resp
+        where = {INSTANCE: inst.name, ROUTE_REASON: pd_bypass.PD_BYPASS}
+        if isinstance(resp, StreamingResponse):
+            events = _chat_stream(resp.body_iterator)
+            return StreamingResponse(events, media_type="text/event-stream", headers=where)
+        return JSONResponse(_as_chat(json.loads(bytes(resp.body))), headers=where)
 
     async def _prefill(
         self, pair: str, prompt: Prompt, body: dict[str, Any]
@@ -173,6 +239,11 @@ class PDFlow:
             stops = [*(data.get("stop_token_ids") or []), *self.chat_stop_token_ids()]
             if stops:
                 base["stop_token_ids"] = list(dict.fromkeys(stops))
+        verdict = await self._bypass_verdict(pair, prompt)
+        if verdict[0].bypass:
+            whole = _request(base, data, tokens, wanted)
+            return await self._serve_bypassed(pair, endpoint, whole, prompt, verdict, on_done)
+        note = verdict[0].note(verdict[1].names, prompt.tokens) if verdict[0].ratio > 0 else ""
         body = {**base, "prompt": tokens, "max_tokens": 1, "stream": False}
         if wanted == 1:  # the prefill's token is the whole answer: transfer nothing
             try:
@@ -182,7 +253,7 @@ class PDFlow:
                 raise
             metrics.pd_transfers.labels(pair, "prefill_only").inc()
             return _single(pre, chat, bool(data.get("stream")), on_done)
-        d_inst, d_decision = self._decode_instance(pair, prompt)
+        d_inst, d_decision = self._decode_instance(pair, prompt, note)
         target = self.coordinator.targets[d_inst.name]
         transfer = self.coordinator.expect(pair, target, tokens)
         spec = target.disagg_spec(transfer.req_id)
@@ -211,19 +282,9 @@ class PDFlow:
             return Response(status_code=CLIENT_CLOSED)
         if not landed:
             release()  # the decoder recomputes; the transfer, if it lands late, is freed
-        decode = {**base, "prompt": [*tokens, first_tok], "stream": bool(data.get("stream"))}
-        if wanted is not None:
-            decode["max_tokens"] = wanted - 1
-        if data.get("stream_options") is not None:
-            decode["stream_options"] = data["stream_options"]
-
-        async def choose(n: int, exclude: set[str]) -> Attempt:
-            if d_inst.name in exclude:
-                raise upstream_error(
-                    502, f"PD pair {pair}: decode on {d_inst.name} failed", "decode_failed"
-                )
-            return self.selector.admit(d_inst, prompt, d_decision)
-
+        rest = None if wanted is None else wanted - 1
+        decode = _request(base, data, [*tokens, first_tok], rest)
+        choose = self._only(pair, d_inst, prompt, d_decision, "decode")
         metrics.pd_transfers.labels(pair, "transferred" if landed else "recomputed").inc()
         resp = await self.proxy.forward(choose, "/v1/completions", decode, {}, on_done, endpoint)
         if resp.status_code != 200:
@@ -233,6 +294,19 @@ class PDFlow:
             events = _stream(pre, resp.body_iterator, chat)
             return StreamingResponse(events, media_type="text/event-stream", headers=where)
         return JSONResponse(_merge(pre, json.loads(bytes(resp.body)), chat), headers=where)
+
+
+def _request(
+    base: dict[str, Any], data: dict[str, Any], prompt: list[int], max_tokens: int | None
+) -> dict[str, Any]:
+    """A decoder's ``/v1/completions`` body: the client's settings, these tokens, streamed as
+    the client asked."""
+    body = {**base, "prompt": prompt, "stream": bool(data.get("stream"))}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    if data.get("stream_options") is not None:
+        body["stream_options"] = data["stream_options"]
+    return body
 
 
 def _single(pre: dict[str, Any], chat: bool, stream: bool, on_done: Callable[[], None]) -> Response:
@@ -248,10 +322,8 @@ def _single(pre: dict[str, Any], chat: bool, stream: bool, on_done: Callable[[],
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def _stream(pre: dict[str, Any], rest: Any, chat: bool) -> AsyncIterator[bytes]:
-    head = {k: v for k, v in pre.items() if k not in ("kv_transfer_params", "usage")}
-    head["choices"] = [{**c, "finish_reason": None} for c in pre.get("choices", [])]
-    yield _sse(_as_chat_chunk(head, opening=True) if chat else head)
+async def _payloads(rest: Any) -> AsyncIterator[str]:
+    """The ``data:`` payloads of an upstream's server-sent events (closed at the end)."""
     buffer = b""
     try:
         async for chunk in rest:
@@ -259,20 +331,41 @@ async def _stream(pre: dict[str, Any], rest: Any, chat: bool) -> AsyncIterator[b
             while b"\n\n" in buffer:
                 event, buffer = buffer.split(b"\n\n", 1)
                 line = event.decode(errors="replace").strip()
-                if not line.startswith("data: "):
-                    continue
-                payload = line[len("data: ") :]
-                if payload == "[DONE]" or (not chat and '"usage"' not in payload):
-                    yield _sse(payload)
-                    continue
-                obj = json.loads(payload)
-                if obj.get("usage"):  # the decoder's count: the client's is one token more
-                    obj["usage"] = _usage(pre, obj["usage"])
-                if chat and "choices" in obj and "error" not in obj:
-                    obj = _as_chat_chunk(obj)
-                yield _sse(obj)
+                if line.startswith("data: "):
+                    yield line[len("data: ") :]
     finally:
         await rest.aclose()
+
+
+async def _stream(pre: dict[str, Any], rest: Any, chat: bool) -> AsyncIterator[bytes]:
+    head = {k: v for k, v in pre.items() if k not in ("kv_transfer_params", "usage")}
+    head["choices"] = [{**c, "finish_reason": None} for c in pre.get("choices", [])]
+    yield _sse(_as_chat_chunk(head, opening=True) if chat else head)
+    async for payload in _payloads(rest):
+        if payload == "[DONE]" or (not chat and '"usage"' not in payload):
+            yield _sse(payload)
+            continue
+        obj = json.loads(payload)
+        if obj.get("usage"):  # the decoder's count: the client's is one token more
+            obj["usage"] = _usage(pre, obj["usage"])
+        if chat and "choices" in obj and "error" not in obj:
+            obj = _as_chat_chunk(obj)
+        yield _sse(obj)
+
+
+async def _chat_stream(rest: Any) -> AsyncIterator[bytes]:
+    """A bypassed chat request's completion events as chat chunks (the first opens the
+    assistant's message, as the PD path's first chunk does)."""
+    opening = True
+    async for payload in _payloads(rest):
+        if payload == "[DONE]":
+            yield _sse(payload)
+            continue
+        obj = json.loads(payload)
+        if "choices" in obj and "error" not in obj:
+            obj = _as_chat_chunk(obj, opening=opening and bool(obj["choices"]))
+            opening = opening and not obj["choices"]
+        yield _sse(obj)
 
 
 def _merge(pre: dict[str, Any], dec: dict[str, Any], chat: bool) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,8 +37,23 @@ from kvpool.gateway.routing import (
 #: What the index says the instances hold of a prompt: grouped (the replica), per configured
 #: name (the controller's HTTP lookup), or None (unknown: the router falls back).
 Hits = GroupedHits | dict[str, PrefixHit] | None
-#: Told each decision: (role, the prompt's chunk hashes, hits, candidates, decision, instance).
-Observer = Callable[[str, tuple[int, ...], Hits, Candidates, Decision, Instance], None]
+
+
+class Observer(Protocol):
+    """Told each decision: (role, the prompt's chunk hashes, hits, candidates, decision,
+    instance, and a note for the record, e.g. why a PD request was or was not bypassed)."""
+
+    def __call__(
+        self,
+        role: str,
+        hashes: tuple[int, ...],
+        hits: Hits,
+        cands: Candidates,
+        decision: Decision,
+        inst: Instance,
+        note: str = "",
+        /,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
