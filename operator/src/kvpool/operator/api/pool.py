@@ -258,12 +258,31 @@ class GatewayTokenizer(ApiModel):
     )
 
 
+class GatewayPD(ApiModel):
+    """The gateway's request path through the pool's PDPairs."""
+
+    bypass_min_cached_ratio: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="PD bypass, off by default (unset or 0). From 0 to 1: a request whose prompt "
+        "a decode instance already holds at least this share of (by the controller's index) "
+        "goes straight to that decoder, without prefill and transfer. Turning it on gives every "
+        "decode instance of a platform cpu PDPair the pool's CPU tier (spec.tiers.cpu.size more "
+        "memory per decoder) and registers it with the controller, so it keeps each request it "
+        "finished (prompt and answer, whole chunks). vLLM decoders keep nothing (a PD consumer "
+        "does not save): their pairs are never bypassed. Off by default because it costs that "
+        "memory and takes decode capacity for prefill work: 0.5 suits multi-turn chat.",
+    )
+
+
 class GatewaySpec(ApiModel):
     """The KV-affinity gateway Deployment (OpenAI-compatible)."""
 
     replicas: int = Field(default=1, ge=1, description="Default 1.")
     port: int = Field(default=8000, ge=1, le=65535, description="Default 8000.")
     routing: Routing = Field(default_factory=Routing)
+    pd: GatewayPD = Field(default_factory=GatewayPD)
     auth_secret_ref: SecretKeyRef | None = Field(default=None, description="Bearer token secret.")
     tokenizer: GatewayTokenizer | None = Field(
         default=None, description="The model's tokenizer for the gateway (vLLM pools)."

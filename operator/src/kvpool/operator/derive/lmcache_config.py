@@ -8,6 +8,7 @@ only for the ascend platform and are checked against their own explicit list.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from kvpool.operator.api.members import P2PGroup, PDPair
@@ -16,10 +17,11 @@ from kvpool.operator.derive import names
 from kvpool.operator.derive.platform import (
     default_channel,
     default_pd_buffer_device,
+    pd_bypass_ratio,
     pd_delay_pull,
     pd_sender_pull,
 )
-from kvpool.operator.derive.ports import InstancePorts
+from kvpool.operator.derive.ports import InstancePorts, pd_decoder_worker_ports
 from kvpool.operator.quantity import GIB
 from kvpool.protocol.domain import instance_id
 from kvpool.protocol.pd import UNCLAIMED_TTL_KEY
@@ -324,4 +326,25 @@ def pd_config(
             extra = dict(cfg.get("extra_config", {}))
             extra[UNCLAIMED_TTL_KEY] = transfer.unclaimed_ttl_seconds
             cfg["extra_config"] = dict(sorted(extra.items()))
+        if pd_bypass_ratio(pool, pair) > 0:
+            _keep_on_decoder(cfg, pool, pair, inst)
     return dict(sorted(cfg.items()))
+
+
+def _keep_on_decoder(
+    cfg: dict[str, Any], pool: KVCachePool, pair: PDPair, inst: InstancePorts
+) -> None:
+    """A decoder the gateway may bypass to (spec.gateway.pd.bypassMinCachedRatio): the pool's
+    CPU tier, where it keeps each request it finished (worker ``pd_keep``; LMCache 0.5.6 builds
+    a LocalCPUBackend beside the PD backend when ``local_cpu`` is true), and a registration with
+    the controller, so the index knows what it holds (its worker ports:
+    ``ports.pd_decoder_worker_ports``; validation refuses a block without room for them)."""
+    worker_ports = pd_decoder_worker_ports(pair, inst)
+    if worker_ports is None:
+        raise ValueError(f"{inst.name}: no room for lmcache_worker_ports (validation refuses it)")
+    cfg.update(local_cpu=True, max_local_cpu_size=_gb(pool.spec.tiers.cpu.size))
+    cfg.update(_controller(pool, replace(inst, lists={"lmcache_worker_ports": worker_ports})))
+    extra = dict(cfg.get("extra_config", {}))
+    extra["worker_socket_recv_timeout_ms"] = WORKER_SOCKET_RECV_TIMEOUT_MS
+    extra.update(full_sync_timing(pool))
+    cfg["extra_config"] = dict(sorted(extra.items()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpool.operator.api.members import P2PGroup, PDPair
+from kvpool.operator.api.pool import KVCachePool
 
 CHANNEL_DEFAULT = {"ascend": "hccl", "cuda": "nixl", "cpu": "nixl"}
 #: Transfer channels each platform's LMCache build accepts (the first is the default).
@@ -68,3 +69,16 @@ def carries_pool_tiers(member: P2PGroup | PDPair) -> bool:
     remote tier with ``local_cpu_backend is required for get_allocator_backend``). A PD
     instance gets its KV by transfer; the tiers serve the pool's P2P groups."""
     return isinstance(member, P2PGroup)
+
+
+def pd_bypass_ratio(pool: KVCachePool, member: P2PGroup | PDPair) -> float:
+    """The gateway's PD bypass threshold for ``member`` (spec.gateway.pd.bypassMinCachedRatio),
+    0 when off: unset or 0, not a PDPair, or decoders that keep nothing. Only kvpool's reference
+    engine (platform cpu) keeps what a decoder finished (worker ``pd_keep``); vLLM's PD consumer
+    does not save. Where it is on, the decoders get the pool's CPU tier and register with the
+    controller (``lmcache_config.pd_config``), so the index knows what they hold."""
+    ratio = pool.spec.gateway.pd.bypass_min_cached_ratio
+    if not ratio or not isinstance(member, PDPair):
+        return 0.0
+    decode = member.spec.decode.engine
+    return float(ratio) if decode.platform == "cpu" and decode.sim is None else 0.0

@@ -129,6 +129,19 @@ def pd_ports(pair: PDPair, *, sender_pull: bool) -> list[InstancePorts]:
     return result
 
 
+def pd_decoder_worker_ports(pair: PDPair, inst: InstancePorts) -> list[int] | None:
+    """``lmcache_worker_ports`` of a decode instance that registers with the controller (the
+    gateway's PD bypass): the last ports of its block, which nothing else binds, so turning
+    the bypass on moves no other port; None when the block has no room for one per TP rank
+    (validation refuses the bypass for that pair, naming the field)."""
+    spec = pair.spec
+    tpp, tpd = spec.prefill.tensor_parallel_size, spec.decode.tensor_parallel_size
+    kv = pd_kv_events(pair)
+    block = pd_block_size(tpp, tpd, kv_events=kv)
+    used = 1 + 2 * max(tpp, tpd) + (KV_EVENT_PORTS if kv else 0)
+    return _seq(inst.http + block - tpd, tpd) if block - used >= tpd else None
+
+
 def member_port_range(member: P2PGroup | PDPair) -> tuple[int, int]:
     """The [first, last] ports a member reserves (for cross-member overlap checks)."""
     if isinstance(member, P2PGroup):

@@ -12,7 +12,7 @@ import math
 from kvpool.operator.api.common import MemoryBudget
 from kvpool.operator.api.members import EngineSpec, P2PGroup, PDPair
 from kvpool.operator.api.pool import DTYPE_BYTES, KVCachePool
-from kvpool.operator.derive.platform import default_pd_buffer_device
+from kvpool.operator.derive.platform import default_pd_buffer_device, pd_bypass_ratio
 from kvpool.operator.quantity import format_bytes, parse_quantity
 
 Parts = list[tuple[str, int]]
@@ -58,11 +58,13 @@ def rank_parts(pool: KVCachePool, member: P2PGroup | PDPair, role: str) -> Parts
         parts: Parts = [("staging", staging.bytes)] if on else []
         return [*parts, ("CPU cache", pool.spec.tiers.cpu.size), *_mooncake(pool)]
     transfer = member.spec.transfer
-    parts = []  # PD instances run without the local CPU tier
+    parts = []  # PD instances run without the local CPU tier (but a bypassed-to decoder)
     if role == "prefill" and transfer.mode == "cpu-offload-pull-delay":
         parts.append(("PD CPU buffer", transfer.cpu_buffer_size))
     if default_pd_buffer_device(member) == "cpu":
         parts.append(("PD buffer", transfer.buffer_size))
+    if role == "decode" and pd_bypass_ratio(pool, member) > 0:  # it keeps what it decoded
+        parts.append(("CPU cache", pool.spec.tiers.cpu.size))
     return parts  # nor the pool's remote tier (platform.carries_pool_tiers)
 
 

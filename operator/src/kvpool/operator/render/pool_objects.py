@@ -15,7 +15,7 @@ from kvpool.operator.api.members import P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.derive import names
 from kvpool.operator.derive.instances import instance_url, member_instances
-from kvpool.operator.derive.platform import hashes_like_vllm, pd_sender_pull
+from kvpool.operator.derive.platform import hashes_like_vllm, pd_bypass_ratio, pd_sender_pull
 from kvpool.operator.derive.ports import p2p_ports, pd_ports
 from kvpool.operator.render import election, k8s, network
 from kvpool.operator.render.fingerprint import pool_fingerprint, resolve_hash_seed
@@ -209,6 +209,8 @@ def _gateway_config(
             p2p.append(group)
         elif ready_pd_pairs is None or member.metadata.name in ready_pd_pairs:
             insts = pd_ports(member, sender_pull=pd_sender_pull(member))
+            ratio = pd_bypass_ratio(pool, member)
+            bypass = {"bypassMinCachedRatio": ratio} if ratio > 0 else {}
             pd.append(
                 {
                     "name": member.metadata.name,
@@ -233,6 +235,7 @@ def _gateway_config(
                         for i in insts
                         if i.role == "decode"
                     ],
+                    **bypass,
                 }
             )
     controller_host = names.service_host(names.controller_name(pool), ns)

@@ -13,7 +13,8 @@ from kvpool.operator.api.members import P2PGroup, PDPair
 from kvpool.operator.api.pool import KVCachePool
 from kvpool.operator.derive import names
 from kvpool.operator.derive.instances import member_instances
-from kvpool.operator.derive.ports import member_port_range
+from kvpool.operator.derive.platform import pd_bypass_ratio
+from kvpool.operator.derive.ports import member_port_range, pd_decoder_worker_ports
 from kvpool.operator.validation.problems import (
     Patch,
     Problem,
@@ -190,6 +191,56 @@ def rule2_ports(pool: KVCachePool, members: Members) -> list[Problem]:
             )
     out += _host_network_overlaps(members)
     out += _proxy_ports(pool, members)
+    out += _bypass_decoders(pool, members)
+    return out
+
+
+BYPASS_FIELD = "spec.gateway.pd.bypassMinCachedRatio"
+
+
+def _bypass_decoders(pool: KVCachePool, members: Members) -> list[Problem]:
+    """With the gateway's PD bypass on, each decoder that keeps its requests registers with the
+    controller on ports at the end of its block (``pd_decoder_worker_ports``): refused where the
+    block has no room for one per TP rank. A pair whose decoders run vLLM keeps nothing and is
+    never bypassed: a warning."""
+    out: list[Problem] = []
+    if not pool.spec.gateway.pd.bypass_min_cached_ratio:
+        return out
+    for pair in sorted(
+        (m for m in members if isinstance(m, PDPair)), key=lambda m: m.metadata.name
+    ):
+        name = pair.metadata.name
+        if pd_bypass_ratio(pool, pair) == 0:
+            out.append(
+                Problem(
+                    where(pool, BYPASS_FIELD),
+                    f"PDPair {name!r}'s decoders run vLLM (platform "
+                    f"{pair.spec.decode.engine.platform}), whose PD consumer keeps no KV: its "
+                    "requests always go through prefill",
+                    "nothing to do if intended; the bypass needs decoders on kvpool's reference "
+                    "engine (platform cpu)",
+                    rule=2,
+                    severity="warning",
+                    code="pd.bypass_vllm",
+                )
+            )
+            continue
+        decoders = [i for i in member_instances(pair) if i.role == "decode"]
+        if decoders and pd_decoder_worker_ports(pair, decoders[0]) is None:
+            tp = pair.spec.decode.tensor_parallel_size
+            out.append(
+                Problem(
+                    where(pool, BYPASS_FIELD),
+                    f"PDPair {name!r}: a decoder of tensorParallelSize {tp} has no ports left "
+                    "in its block for its controller registration (lmcache_worker_ports, one "
+                    "per TP rank), which the bypass needs",
+                    f"unset {BYPASS_FIELD}, or lower PDPair {name!r}'s "
+                    "spec.decode.tensorParallelSize",
+                    rule=2,
+                    code="pd.bypass_ports",
+                    patch=(remove_field(pool, BYPASS_FIELD),),
+                )
+            )
     return out
 
 
