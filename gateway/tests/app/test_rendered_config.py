@@ -31,8 +31,9 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 pytestmark = pytest.mark.timeout(60)
 
 
-def rendered(example: str) -> tuple[list[str], list[dict[str, Any]], str]:
-    loaded = load_text((EXAMPLES / example).read_text(), example)
+def rendered(example: str, text: str | None = None) -> tuple[list[str], list[dict[str, Any]], str]:
+    """The gateway's command, env and gateway.yaml rendered for ``example`` (or ``text``)."""
+    loaded = load_text(text if text is not None else (EXAMPLES / example).read_text(), example)
     assert not loaded.errors
     (domain,) = loaded.domains()
     objects = render_domain(domain.pool, domain.members)
@@ -108,3 +109,14 @@ async def test_gateway_starts_on_the_rendered_cpu_demo_config(tmp_path: Path) ->
         r = await c.post("/v1/completions", json={"prompt": [1, 2, 3]})
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_instance_available"
         await asyncio.sleep(0)
+
+
+def test_the_rendered_pd_bypass_ratio_is_accepted() -> None:
+    """spec.gateway.pd.bypassMinCachedRatio reaches the PD pair's gateway.yaml entry, which the
+    gateway accepts (the PD bypass; a live key, so under pdPairs)."""
+    docs = [d for d in yaml.safe_load_all((EXAMPLES / "cpu-demo.yaml").read_text()) if d]
+    pool = next(d for d in docs if d["kind"] == "KVCachePool")
+    pool["spec"].setdefault("gateway", {})["pd"] = {"bypassMinCachedRatio": 0.5}
+    _, _, text = rendered("cpu-demo.yaml", yaml.safe_dump_all(docs))
+    config = parse_config(yaml.safe_load(text))
+    assert [p.bypass_min_cached_ratio for p in config.pd_pairs] == [0.5]
