@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import signal
 import sys
 import tempfile
@@ -171,13 +170,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if not args.no_netns and not netns.in_namespace():
-        try:
-            prefix = netns.unshare_argv()
-        except netns.NetnsError as exc:
-            print(f"chaos: no network namespace ({exc}): run with --no-netns", file=sys.stderr)
-            return 2
-        env = {**os.environ, netns.ENV_MARK: "1"}
-        os.execvpe(prefix[0], [*prefix, sys.executable, "-m", "chaos", *argv], env)
+        return netns.reenter("chaos", argv)
     plan = REDUCED if args.reduced else FULL
     if plan.sim_trace is None and args.sim_trace is not None:
         plan = dataclasses.replace(

@@ -30,6 +30,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 from dataclasses import dataclass, field
 
 ENV_MARK = "KVPOOL_CHAOS_NETNS"  # set in the namespace: do not enter another one
@@ -56,6 +57,18 @@ def unshare_argv() -> list[str]:
     if probe.returncode != 0:
         raise NetnsError(f"{' '.join(argv)} refused: {probe.stderr.strip()}")
     return argv
+
+
+def reenter(module: str, argv: list[str], env: dict[str, str] | None = None) -> int:
+    """Run ``python -m module argv`` again in a new network namespace, in place of this process
+    (no return); 2, with the reason on stderr, when none can be had here."""
+    try:
+        prefix = unshare_argv()
+    except NetnsError as exc:
+        print(f"{module}: no network namespace ({exc}): run with --no-netns", file=sys.stderr)
+        return 2
+    env = {**os.environ, **(env or {}), ENV_MARK: "1"}
+    os.execvpe(prefix[0], [*prefix, sys.executable, "-m", module, *argv], env)
 
 
 def setup(with_lan: bool) -> None:

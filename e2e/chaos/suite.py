@@ -68,7 +68,7 @@ class Plan:
 Say = Callable[[str], None]
 
 
-class _Loop:
+class LoopThread:
     """An asyncio loop in a daemon thread: the replays run there, this thread drives."""
 
     def __init__(self) -> None:
@@ -114,7 +114,7 @@ class Run:
         self.rendered: dict[str, Workload] = workloads(render_files(plan.files).objects)
         self.streams: list[Stream] = []
         self.runs: dict[str, Future[ReplayRun]] = {}
-        self.loop: _Loop | None = None
+        self.loop: LoopThread | None = None
         self.active: fx.Injected | None = None
         self.windows: list[measure.Window] = []
         self.records: list[dict[str, Any]] = []
@@ -141,7 +141,7 @@ class Run:
         return self._report(time.monotonic() - t_start, t_up, verified)
 
     def _start_load(self, state: dict[str, Any]) -> None:
-        self.loop = _Loop()
+        self.loop = LoopThread()
         horizon = 1800.0  # trace rows beyond what any run sends: finish() ends the replays
         for spec in self.plan.streams:
             url = state["endpoints"][spec.gateway]
