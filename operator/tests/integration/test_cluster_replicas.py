@@ -191,6 +191,7 @@ async def test_each_replica_has_its_own_ports_and_the_service_reaches_only_ready
     assert all(p["service_ports"] == {"http": front} for p in info.values())
     assert not any(workloads.is_ready(p) for p in _pods(store, "echo").values())
     assert await asyncio.to_thread(_closed_at_once, front)  # no Ready pod: no endpoint
+    assert await kubelet.resolve(NS, "echo", "http") is None  # nor for *.svc HTTP names
 
     # One replica Ready: the Service sends every connection to it, none to the other.
     first, second = names
@@ -198,6 +199,7 @@ async def test_each_replica_has_its_own_ports_and_the_service_reaches_only_ready
     await until(f"{first} Ready", lambda: workloads.is_ready(store.get(PODS, NS, first)))
     assert not workloads.is_ready(store.get(PODS, NS, second))
     assert set(await _answers(f"http://127.0.0.1:{front}/", 6)) == {first}
+    assert await kubelet.resolve(NS, "echo", "http") == ("127.0.0.1", info[first]["ports"]["http"])
 
     # Both Ready: both get connections.
     (flags / second).touch()

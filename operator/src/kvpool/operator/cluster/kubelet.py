@@ -38,7 +38,16 @@ from typing import Any
 import aiohttp
 
 from kvpool.operator.cluster import workloads
-from kvpool.operator.cluster.endpoints import ServiceProxies, free_slot, owner_deployment
+from kvpool.operator.cluster.endpoints import (
+    PODS,
+    SERVICES,
+    ServiceProxies,
+    backend,
+    describe,
+    eligible,
+    free_slot,
+    owner_deployment,
+)
 from kvpool.operator.cluster.store import Obj, Res, Store, StoreError, now_stamp
 from kvpool.operator.local.balance import Balanced, balanced_services
 from kvpool.operator.local.plan import (
@@ -53,8 +62,6 @@ from kvpool.operator.local.plan import (
 from kvpool.operator.local.stack import LocalStack, Running, free_port
 
 log = logging.getLogger(__name__)
-PODS = Res("", "v1", "pods")
-SERVICES = Res("", "v1", "services")
 CONFIGMAPS = Res("", "v1", "configmaps")
 SECRETS = Res("", "v1", "secrets")
 STATEFULSETS = Res("apps", "v1", "statefulsets")
@@ -359,27 +366,6 @@ class Kubelet:
                     log.warning("namespace %s: Service proxies not updated: %s", ns, exc)
         return out
 
-    def _eligible(self, ns: str, service: Balanced, port: int) -> list[int]:
-        """The local ``port`` of every pod a Service's proxy may send a connection to now:
-        of its Deployment, running, Ready, not terminating, its labels matching the selector."""
-        out = []
-        for run in sorted(self.runs.values(), key=lambda r: r.name):
-            if (
-                run.namespace != ns
-                or run.deployment != service.workload
-                or run.stopping
-                or run.container.pid is None
-                or not run.container.ready
-                or port not in run.ports
-            ):
-                continue
-            pod = self.store.find(PODS, ns, run.name)
-            if pod is None or pod["metadata"].get("deletionTimestamp"):
-                continue
-            if service.selector.items() <= (pod["metadata"].get("labels") or {}).items():
-                out.append(run.ports[port])
-        return out
-
     def _secrets(self, stack: LocalStack, ns: str) -> None:
         for secret in self.store.list(SECRETS, ns):
             for key, value in (secret.get("data") or {}).items():
@@ -519,39 +505,10 @@ class Kubelet:
     # -- services ----------------------------------------------------------------------------------
     async def resolve(self, ns: str, service: str, port: str) -> tuple[str, int] | None:
         """A ready backend of a Service port (by name or number; "" = the first port)."""
-        svc = self.store.find(SERVICES, ns, service)
-        if svc is None:
-            return None
-        ports = (svc.get("spec") or {}).get("ports") or []
-        sp = next((p for p in ports if port in ("", str(p.get("name")), str(p["port"]))), None)
-        if sp is None:
-            return None
-        target = sp.get("targetPort", sp["port"])
-        selector = (svc.get("spec") or {}).get("selector") or {}
-        candidates = []
-        for run in self.runs.values():
-            pod = self.store.find(PODS, run.namespace, run.name)
-            if run.namespace != ns or pod is None or run.container.pid is None:
-                continue
-            if selector and selector.items() <= (pod["metadata"].get("labels") or {}).items():
-                candidates.append((not run.container.ready, run, pod))
-        for _not_ready, backend, pod in sorted(candidates, key=lambda c: c[0]):
-            number = (
-                target
-                if isinstance(target, int)
-                else next(
-                    (
-                        int(p["containerPort"])
-                        for p in pod["spec"]["containers"][0].get("ports", [])
-                        if p.get("name") == target
-                    ),
-                    None,
-                )
-            )
-            local = backend.ports.get(int(number)) if number is not None else None
-            if local is not None:
-                return LOOPBACK, local
-        return None
+        return backend(self.store, self.runs.values(), ns, service, port)
+
+    def _eligible(self, ns: str, service: Balanced, port: int) -> list[int]:
+        return eligible(self.store, self.runs.values(), ns, service, port)
 
     def pod_log(self, ns: str, name: str) -> str | None:
         """The pod's log (``kubectl logs``): its process's output, the last megabyte."""
@@ -565,33 +522,7 @@ class Kubelet:
 
     def endpoints(self) -> dict[str, Any]:
         """What runs where: each pod's pid, local ports, owner and replica slot, per namespace."""
-        out: dict[str, Any] = {}
-        for run in self.runs.values():
-            stack = self.stacks.get(run.namespace)
-            proc = stack.running.get(run.name) if stack else None
-            pod = self.store.find(PODS, run.namespace, run.name) or {}
-            owner = next(
-                (
-                    r["name"]
-                    for r in pod.get("metadata", {}).get("ownerReferences") or []
-                    if r.get("controller")
-                ),
-                run.name,
-            )
-            front = self.proxies.front(run.namespace, run.deployment) if run.deployment else {}
-            rendered = stack.rendered.get(run.name) if stack else None
-            named = rendered.ports if rendered is not None else {}
-            out.setdefault(run.namespace, {})[run.name] = {
-                "owner": owner,
-                "pid": proc.proc.pid if proc else None,
-                "ports": dict(proc.workload.ports) if proc else {},
-                "ready": run.container.ready,
-                "replica": run.slot,
-                # a replica's ports as its Service's proxy serves them (to every Ready replica)
-                "service_ports": {n: front[c] for n, c in named.items() if c in front},
-                "log": str(proc.log) if proc else None,
-            }
-        return out
+        return describe(self.store, self.runs.values(), self.stacks, self.proxies)
 
     async def close(self) -> None:
         """Stop every pod's process (each namespace's stack in reverse start order)."""
