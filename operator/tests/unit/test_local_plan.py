@@ -10,6 +10,7 @@ socket), and that the independent rewrite check fails on any other change.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -27,6 +28,8 @@ from kvpool.operator.local.up import render_files
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "cpu-demo.yaml"
 #: The controller's API token, which a cluster keeps in the domain's Secret (up: a fresh value).
 SECRETS = {("demo-controller-token", "token"): "s3cret"}
+#: the downward API of a controller replica (with several, they elect on their pod's name)
+FIELDS = ls.pod_fields("demo-controller-0", "default")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def test_rewrite_touches_only_cluster_provided_values(
 ) -> None:
     cmap = ls.cluster_map(objects, _ports())
     for name, w in ls.workloads(objects).items():
-        lw = ls.localize(w, cmap, tmp_path, SECRETS)
+        lw = ls.localize(w, cmap, tmp_path, SECRETS, FIELDS)
         changes = ls.check_rewrite(w, lw, cmap)
         assert changes, name
         assert all(v == ls.LOOPBACK or not v.startswith("0.0.0.0") for v in lw.argv)
@@ -86,7 +89,7 @@ def test_gateway_routing_config_reaches_local_workers(
     for name, url in urls.items():
         port = ls.localize(loads[name], cmap, tmp_path).ports["http"]
         assert url == f"http://{ls.LOOPBACK}:{port}"
-    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path, SECRETS)
+    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path, SECRETS, FIELDS)
     assert cfg["controllerUrl"] == f"http://{ls.LOOPBACK}:{ctl.ports['http']}"
 
 
@@ -95,7 +98,7 @@ def test_worker_and_controller_addresses_meet_on_the_same_local_sockets(
 ) -> None:
     cmap = ls.cluster_map(objects, _ports())
     loads = ls.workloads(objects)
-    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path, SECRETS)
+    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path, SECRETS, FIELDS)
     monitor = json.loads(ctl.argv[ctl.argv.index("--monitor-ports") + 1])
     assert monitor["pull"] == ctl.ports["pull"] and monitor["reply"] == ctl.ports["reply"]
     assert ctl.argv[ctl.argv.index("--port") + 1] == str(ctl.ports["http"])
@@ -179,7 +182,7 @@ def test_a_redis_the_pool_names_is_one_local_service_for_every_reader(tmp_path: 
     cmap = ls.cluster_map(objects, _ports(), services)
     port = cmap.external[("kv-redis", 6379)]
     loads = ls.workloads(objects)
-    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path, SECRETS)
+    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path, SECRETS, FIELDS)
     assert ctl.argv[ctl.argv.index("--redis-url") + 1] == f"redis://{ls.LOOPBACK}:{port}/1"
     ls.check_rewrite(loads["demo-controller"], ctl, cmap)
     wrk = ls.localize(loads["demo-p2p-0"], cmap, tmp_path)
@@ -285,7 +288,8 @@ def test_two_controller_replicas_get_own_ports_behind_the_services_proxy(tmp_pat
     """With ``spec.controller.replicas: 2`` each replica binds its own local ports; the
     controller Service's ports become one proxy (``balance.balanced_services``) selecting the
     leader at run time, and every address naming the Service (the workers' controller URLs, a
-    replica's own --leader-pub-url and --heartbeat-url) goes to the proxy, never to a replica."""
+    replica's own --leader-pub-url and --heartbeat-url) goes to the proxy, never to a replica.
+    The gateway's two replicas (the default) are behind their Service's proxy as well."""
     from kvpool.operator.local.balance import balanced_services
     from kvpool.protocol.domain import CONTROLLER_LEADER, CONTROLLER_ROLE_LABEL
 
@@ -299,7 +303,10 @@ def test_two_controller_replicas_get_own_ports_behind_the_services_proxy(tmp_pat
     service_ports = {cmap.ports[p] for p in a}
     assert set(a) == set(b) and not (set(a.values()) & set(b.values()))
     assert not (set(a.values()) | set(b.values())) & service_ports
-    (proxy,) = balanced_services(objects, cmap)
+    proxies = {p.service: p for p in balanced_services(objects, cmap)}
+    assert set(proxies) == {"demo-controller", "demo-gateway"}
+    assert set(cmap.replicas) == {"demo-controller", "demo-gateway"}
+    proxy = proxies["demo-controller"]
     assert proxy.service == proxy.workload == "demo-controller"
     assert proxy.selector[CONTROLLER_ROLE_LABEL] == CONTROLLER_LEADER
     assert set(proxy.listen) == service_ports and set(proxy.listen.values()) == set(a)
@@ -327,6 +334,39 @@ def test_two_controller_replicas_get_own_ports_behind_the_services_proxy(tmp_pat
         f"{ls.LOOPBACK}:{pull}"
         in yaml.safe_load(next(iter(worker.files.values())))["controller_pull_url"]
     )
+
+
+def test_replica_maps_handed_out_are_kept_as_the_cluster_changes(objects: list[ls.Obj]) -> None:
+    """``kvpool-operator cluster``'s kubelet keeps a replica's ports for its pod's lifetime:
+    maps handed out stay as they are, a scale-up adds maps, a Deployment scaled to one keeps
+    its maps (and so its Service's proxy) while they are handed back, a port the template adds
+    is mapped in each kept map."""
+    cmap = ls.cluster_map(objects, _ports())
+    kept = dict(cmap.replicas)
+    again = ls.cluster_map(objects, _ports(), (), cmap.ports, kept)
+    assert again.replicas == kept and again.ports == cmap.ports
+    scaled = copy.deepcopy(objects)
+    (gateway,) = [
+        o for o in scaled if o["kind"] == "Deployment" and o["metadata"]["name"] == "demo-gateway"
+    ]
+    gateway["spec"]["replicas"] = 3
+    up = ls.cluster_map(scaled, _ports(), (), cmap.ports, kept)
+    assert up.replicas["demo-gateway"][:2] == kept["demo-gateway"]
+    assert len(up.replicas["demo-gateway"]) == 3
+    used = {p for maps in kept.values() for m in maps for p in m.values()} | set(
+        cmap.ports.values()
+    )
+    assert not set(up.replicas["demo-gateway"][2].values()) & used
+    gateway["spec"]["replicas"] = 1
+    down = ls.cluster_map(scaled, _ports(), (), cmap.ports, kept)
+    assert down.replicas["demo-gateway"] == kept["demo-gateway"]
+    assert "demo-gateway" not in ls.cluster_map(scaled, _ports(), (), cmap.ports).replicas
+    gateway["spec"]["template"]["spec"]["containers"][0]["ports"].append(
+        {"name": "extra", "containerPort": 8099}
+    )
+    grown = ls.cluster_map(scaled, _ports(), (), cmap.ports, kept)
+    for old, new in zip(kept["demo-gateway"], grown.replicas["demo-gateway"], strict=True):
+        assert {p: new[p] for p in old} == old and 8099 in new
 
 
 def pool_port(objects: list[ls.Obj], role: str) -> int:

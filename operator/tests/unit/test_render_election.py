@@ -2,8 +2,9 @@
 
 With two replicas the controller gets the election flags (addresses through its own Service),
 its pod's name and namespace, a ServiceAccount whose Role grants exactly the Lease and the pod
-label it uses, and the Service selects the leader's pod only. With one replica nothing of it is
-rendered: the controller leads alone, as before.
+label it uses, the Service selects the leader's pod only, and a PodDisruptionBudget lets a drain
+evict one replica at a time. With one replica nothing of it is rendered: the controller leads
+alone, as before.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ def _controller(replicas: int) -> dict[str, dict[str, Any]]:
         o["kind"]: o
         for o in objects
         if o["metadata"]["name"] == "pool-controller"
-        and o["kind"] in ("Deployment", "Service", "ServiceAccount", "Role", "RoleBinding")
+        and o["kind"]
+        in ("Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget")
     }
 
 
 def test_two_replicas_elect_a_leader_the_service_selects() -> None:
     objs = _controller(2)
-    assert set(objs) == {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"}
+    assert set(objs) == {
+        "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget"
+    }  # fmt: skip
     deployment = objs["Deployment"]
     assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]["spec"]
@@ -67,6 +71,10 @@ def test_two_replicas_elect_a_leader_the_service_selects() -> None:
     assert objs["RoleBinding"]["subjects"] == [
         {"kind": "ServiceAccount", "name": "pool-controller", "namespace": "ns"}
     ]
+    budget = objs["PodDisruptionBudget"]["spec"]
+    assert budget["maxUnavailable"] == 1  # a drain takes one replica: the other leads, warm
+    assert budget["selector"]["matchLabels"].items() <= template.items()
+    assert CONTROLLER_ROLE_LABEL not in budget["selector"]["matchLabels"]  # leader and standby
 
 
 def test_one_replica_renders_no_election() -> None:

@@ -196,7 +196,9 @@ class ControllerSpec(ApiModel):
         default=1,
         ge=1,
         description="Default 1. With 2 or more, the replica holding the Lease <pool>-controller "
-        "leads, the others keep a warm copy of its index and take over when it dies.",
+        "leads, the others keep a warm copy of its index and take over when it dies (seconds, "
+        "no worker re-registering or full-syncing), and a PodDisruptionBudget lets a drain "
+        "evict one at a time.",
     )
     ports: ControllerPorts = Field(default_factory=ControllerPorts)
     persistence: Persistence = Field(default_factory=Persistence)
@@ -279,7 +281,13 @@ class GatewayPD(ApiModel):
 class GatewaySpec(ApiModel):
     """The KV-affinity gateway Deployment (OpenAI-compatible)."""
 
-    replicas: int = Field(default=1, ge=1, description="Default 1.")
+    replicas: int = Field(
+        default=2,
+        ge=1,
+        description="Default 2: a gateway that dies or drains (SIGTERM: unready first, "
+        "in-flight requests finished) leaves the other serving behind the Service, and the "
+        "PodDisruptionBudget lets a node drain take one at a time.",
+    )
     port: int = Field(default=8000, ge=1, le=65535, description="Default 8000.")
     routing: Routing = Field(default_factory=Routing)
     pd: GatewayPD = Field(default_factory=GatewayPD)

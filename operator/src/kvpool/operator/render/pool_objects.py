@@ -85,7 +85,8 @@ def controller_objects(
     """Controller Deployment and Service; flags mirror lmcache_controller's (``--vllm`` when the
     domain's engines are vLLM, so its token lookups hash like them), plus the allowlist of
     instance ids it mounts and the API token it reads from the domain's Secret
-    (``controller_access``), and its NetworkPolicy."""
+    (``controller_access``), its NetworkPolicy and, with several replicas (election), a PDB
+    (a node drain evicts one replica at a time: the standby takes over, warm)."""
     spec = pool.spec.controller
     ns = pool.metadata.namespace
     name = names.controller_name(pool)
@@ -180,6 +181,7 @@ def controller_objects(
         network.controller_policy(
             pool, name, labels, host_network=host_network, operator_namespace=operator_namespace
         ),
+        *([k8s.pdb(name, ns, labels, 1)] if elected else []),
     ]
 
 
