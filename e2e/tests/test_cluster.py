@@ -11,12 +11,15 @@ engine) into processes the cluster's kubelet runs:
 - ``kubectl apply`` with client-side validation (a typo'd field is refused by kubectl itself),
   ``kubectl wait --for=condition=Ready``, ``kubectl get`` with the CRDs' printer columns,
   ``kubectl explain``;
+- the gateway runs its default two replicas, each pod on its own ports, its Service the
+  kubelet's proxy to both;
 - a request through the gateway's Service reaches the instance that holds its prefix (kv-hit,
   the cached tokens reported), also through the API server's services proxy;
 - a domain the schemas accept refused at ``kubectl apply`` by the operator's webhook with the
   rule's message and fix;
-- new routing (policy, weights) and ``kubectl scale p2pgroup`` reach the running gateway through
-  its mounted gateway.yaml: the same process applies them, nothing restarts it;
+- new routing (policy, weights) and ``kubectl scale p2pgroup`` reach each running gateway
+  replica through its mounted gateway.yaml: the same processes apply them, nothing restarts
+  them;
 - ``kubectl scale p2pgroup``, a deleted worker pod recreated and registered again, a spec change
   rolling every pod of the domain onto the new fingerprint;
 - ``kubectl delete kvcachepool`` refused while members exist; the members' finalizers
@@ -24,7 +27,7 @@ engine) into processes the cluster's kubelet runs:
   the pool goes, and every pod's process with it.
 
 One cluster for the module (the tests run in order and build on each other); bounded waits,
-127.0.0.1 only. Skipped, saying why, only where kubectl is not installed. About 2-3 minutes on
+127.0.0.1 only. Skipped, saying why, only where kubectl is not installed. About 3-4 minutes on
 the shared 2-core box.
 """
 
@@ -52,7 +55,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOMAIN = Path(__file__).resolve().parent / "sim-small.yaml"
 KUBECTL = shutil.which("kubectl")
 INSTANCES = [f"simsmall-sim-{i}" for i in range(4)]
-READY_S = 240.0  # the operator, a controller, a gateway and four sims on a shared 2-core box
+#: spec.controller.replicas and spec.gateway.replicas as sim-small.yaml leaves them: the defaults
+CONTROLLERS, GATEWAYS = 1, 2
+READY_S = 240.0  # the operator, a controller, two gateways and four sims on a 2-core box
 
 pytestmark = [
     pytest.mark.skipif(
@@ -257,6 +262,7 @@ def test_apply_with_client_side_validation_wait_get_and_explain(cluster: Cluster
         f"--timeout={READY_S:.0f}s",
         timeout=READY_S + 10,
     )
+    _replicas_on_their_own_ports(cluster)
     pools, groups = _tables(cluster.kubectl("get", "kvcachepools,p2pgroups,pdpairs"))
     assert list(pools[0]) == _columns("kvcachepools")  # the CRD's printer columns, in order
     assert pools[0]["NAME"] == "kvcachepool.kvpool.io/simsmall"
@@ -273,6 +279,49 @@ def test_apply_with_client_side_validation_wait_get_and_explain(cluster: Cluster
     explained = cluster.kubectl("explain", "kvcachepool.spec.tiers")
     assert "KIND:       KVCachePool" in explained
     assert "cpu\t<Object>" in explained and "disk\t<Object>" in explained
+
+
+def _replicas_on_their_own_ports(cluster: Cluster) -> None:
+    """Every replica of the controller and of the gateway runs, each on ports of its own; the
+    address of the Service of several replicas is the kubelet's proxy
+    (tests/integration/test_cluster_replicas.py in operator/ checks whom it sends connections
+    to): the controller's reaches the leader (its selector's role label), the gateway's both
+    replicas (Ready)."""
+    running = cluster.proc.state()["pods"]["default"]
+    for component, count in (("controller", CONTROLLERS), ("gateway", GATEWAYS)):
+        pods = cluster.json("get", "pods", "-l", f"kvpool.io/component={component}")["items"]
+        names = [p["metadata"]["name"] for p in pods]
+        assert len(names) == count, names
+        ports = [running[n]["ports"]["http"] for n in names]
+        assert len(set(ports)) == count, ports
+        slots = sorted(running[n]["replica"] for n in names)
+        assert slots == (list(range(count)) if count > 1 else [None])  # one replica: no slot
+    if CONTROLLERS > 1:
+        _one_leader_behind_the_service(cluster)
+    gateways = cluster.json("get", "pods", "-l", "kvpool.io/component=gateway")["items"]
+    assert all(_ready(p) for p in gateways)  # both endpoints of the gateway's Service
+    proxied = cluster.proc.state()["services"]["default"]
+    gateway = f"http://127.0.0.1:{proxied['simsmall-gateway']['8000']}"
+    assert cluster.url("simsmall-gateway") == gateway
+    assert gateway not in {f"http://127.0.0.1:{p['ports']['http']}" for p in running.values()}
+
+
+def _one_leader_behind_the_service(cluster: Cluster) -> None:
+    """With several controller replicas one leads, and the controller Service reaches it."""
+    running = cluster.proc.state()["pods"]["default"]
+    leader = poll(
+        "one controller replica leading",
+        lambda: [
+            p["metadata"]["name"]
+            for p in cluster.json("get", "pods", "-l", "kvpool.io/controller-role=leader")["items"]
+        ],
+        READY_S,
+    )
+    assert len(leader) == 1, leader
+    controller = cluster.url("simsmall-controller", "9000")
+    assert controller not in {f"http://127.0.0.1:{p['ports']['http']}" for p in running.values()}
+    role = httpx.get(f"{controller}/readyz", timeout=10).json()["election"]
+    assert role["role"] == "leader" and role["identity"].startswith(f"{leader[0]}_"), role
 
 
 def test_a_request_through_the_gateway_service_hits_the_previous_ones_kv(
@@ -328,33 +377,56 @@ def test_a_domain_the_schemas_accept_is_refused_by_the_webhook_with_the_fix(
     _gone(cluster, "kvcachepool", "cpu-mistakes")
 
 
-def _gateway_process(cluster: Cluster) -> tuple[str, str, int, int]:
-    """The gateway pod's (name, uid, process id, restart count)."""
-    (pod,) = cluster.json("get", "pods", "-l", "kvpool.io/component=gateway")["items"]
-    name = pod["metadata"]["name"]
-    pid = cluster.proc.state()["pods"]["default"][name]["pid"]
-    restarts = pod["status"]["containerStatuses"][0]["restartCount"]
-    return name, pod["metadata"]["uid"], pid, restarts
+def _gateway_process(cluster: Cluster) -> list[tuple[str, str, int, int]]:
+    """Each gateway pod's (name, uid, process id, restart count)."""
+    pods = cluster.json("get", "pods", "-l", "kvpool.io/component=gateway")["items"]
+    running = cluster.proc.state()["pods"]["default"]
+    out = []
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        restarts = pod["status"]["containerStatuses"][0]["restartCount"]
+        out.append((name, pod["metadata"]["uid"], running[name]["pid"], restarts))
+    assert len(out) == GATEWAYS, out
+    return sorted(out)
+
+
+def _gateway_configs(cluster: Cluster) -> list[dict[str, Any]]:
+    """What each gateway replica applies now (asked on its own port, not the Service's)."""
+    out = []
+    for name, *_ in _gateway_process(cluster):
+        port = cluster.proc.state()["pods"]["default"][name]["ports"]["http"]
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).json()
+        out.append(
+            {"policy": ready["routing"], "instances": sorted(ready["instances"]), **ready["config"]}
+        )
+    return out
 
 
 def _gateway_config(cluster: Cluster) -> dict[str, Any]:
-    ready = httpx.get(f"{cluster.url('simsmall-gateway')}/readyz", timeout=10).json()
-    return {"policy": ready["routing"], "instances": sorted(ready["instances"]), **ready["config"]}
+    """What every gateway replica applies (policy, instances, source, last refusal) with each
+    one's config generation, or {} while they differ."""
+    configs = _gateway_configs(cluster)
+    shared = [{k: c[k] for k in ("policy", "instances", "source", "rejected")} for c in configs]
+    if any(s != shared[0] for s in shared):
+        return {}
+    return {**shared[0], "generations": [c["generation"] for c in configs]}
 
 
 def test_new_routing_reaches_the_running_gateway_without_a_restart(cluster: Cluster) -> None:
     process = _gateway_process(cluster)
-    before = _gateway_config(cluster)
-    assert before["policy"] == "kv-aware" and before["source"] == "start"
+    before = poll("the gateway replicas agreeing", lambda: _gateway_config(cluster), READY_S)
+    assert before["policy"] == "kv-aware" and before["source"] == "start", _gateway_configs(cluster)
     patch = '{"spec":{"gateway":{"routing":{"policy":"least-load","weights":{"load":2.5}}}}}'
     cluster.kubectl("patch", "kvcachepool", "simsmall", "--type", "merge", "-p", patch)
     poll(
-        "the gateway applying the ConfigMap's new routing",
-        lambda: _gateway_config(cluster)["policy"] == "least-load",
+        "every gateway replica applying the ConfigMap's new routing",
+        lambda: _gateway_config(cluster).get("policy") == "least-load",
         READY_S,
     )
     after = _gateway_config(cluster)
-    assert after["source"] == "file" and after["generation"] > before["generation"]
+    assert after["source"] == "file" and all(
+        a > b for a, b in zip(after["generations"], before["generations"], strict=True)
+    )
     assert after["rejected"] is None
     file = yaml.safe_load(
         cluster.json("get", "configmap", "simsmall-gateway")["data"]["gateway.yaml"]
@@ -362,8 +434,8 @@ def test_new_routing_reaches_the_running_gateway_without_a_restart(cluster: Clus
     assert file["routing"]["weights"]["load"] == 2.5
     back = '{"spec":{"gateway":{"routing":{"policy":"kv-aware"}}}}'
     cluster.kubectl("patch", "kvcachepool", "simsmall", "--type", "merge", "-p", back)
-    poll("kv-aware again", lambda: _gateway_config(cluster)["policy"] == "kv-aware", READY_S)
-    assert _gateway_process(cluster) == process  # same pod, same process, never restarted
+    poll("kv-aware again", lambda: _gateway_config(cluster).get("policy") == "kv-aware", READY_S)
+    assert _gateway_process(cluster) == process  # same pods, same processes, never restarted
 
 
 def test_scale_a_deleted_pod_recreated_and_a_spec_change_rolling_the_domain(
@@ -378,8 +450,8 @@ def test_scale_a_deleted_pod_recreated_and_a_spec_change_rolling_the_domain(
         READY_S,
     )
     poll(
-        "the running gateway routing to three instances",
-        lambda: _gateway_config(cluster)["instances"] == INSTANCES[:3],
+        "the running gateways routing to three instances",
+        lambda: _gateway_config(cluster).get("instances") == INSTANCES[:3],
         READY_S,
     )
     assert _gateway_process(cluster) == gateway  # the instance list changed live
@@ -432,7 +504,7 @@ def test_scale_a_deleted_pod_recreated_and_a_spec_change_rolling_the_domain(
 
     def rolled() -> bool:
         pods = _pods(cluster)
-        return len(pods) == 5 and all(
+        return len(pods) == 3 + CONTROLLERS + GATEWAYS and all(
             p["metadata"]["uid"] not in old.values() and _ready(p) for p in pods.values()
         )
 
@@ -458,7 +530,7 @@ def test_a_pool_with_members_is_kept_then_members_and_pool_go_with_their_process
         for n, p in cluster.proc.state().get("pods", {}).get("default", {}).items()
         if p.get("pid")
     }
-    assert len(pids) == 5
+    assert len(pids) == 3 + CONTROLLERS + GATEWAYS
     refused = cluster.kubectl("delete", "kvcachepool", "simsmall", check=False)
     assert 'admission webhook "kvcachepool.validate.kvpool.io" denied the request' in refused
     assert "the pool still has members (P2PGroup/simsmall-sim)" in refused

@@ -5,12 +5,13 @@ runs survive the leader's death without the workers noticing. ``tests/sim-small.
 ``spec.controller.replicas: 2`` runs as real processes: two ``kvpool-controller`` replicas
 electing on the Lease of ``up``'s API stand-in (the same client code a cluster's API server
 answers), the controller Service as ``up``'s proxy selecting the pod labelled ``leader``, four
-simulated workers and the gateway, all reaching the controller through that Service. After a
-long prompt is indexed, the leader's process group gets SIGKILL: the standby leads the same
-epoch in term 1 with every worker and chunk it had, no worker registers again or full-syncs
-(the new leader counts no RegisterMsg and no full sync), the gateway routes the prompt to the
-instance holding it again (``kv-hit``), and the killed replica, restarted by ``up``, rejoins as
-the standby. The takeover time is printed (no timed assertion: the box is shared).
+simulated workers and the gateway's two replicas (behind their Service's proxy too), all
+reaching the controller through that Service. After a long prompt is indexed, the leader's
+process group gets SIGKILL: the standby leads the same epoch in term 1 with every worker and
+chunk it had, no worker registers again or full-syncs (the new leader counts no RegisterMsg and
+no full sync), the gateway routes the prompt to the instance holding it again (``kv-hit``),
+and the killed replica, restarted by ``up``, rejoins as the standby. The takeover time is
+printed (no timed assertion: the box is shared).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def test_the_standby_takes_over_when_the_leader_is_killed(up: UpProcess) -> None
     state = up.state()
     replicas = state["replicas"][CONTROLLER]
     assert replicas == [f"{CONTROLLER}-0", f"{CONTROLLER}-1"]
+    assert state["replicas"]["simsmall-gateway"] == ["simsmall-gateway-0", "simsmall-gateway-1"]
     endpoints = state["endpoints"]
     service, gateway = endpoints[CONTROLLER], endpoints["simsmall-gateway"]
     (leader,) = poll("one replica behind the Service", lambda: up.state()["selected"][CONTROLLER])

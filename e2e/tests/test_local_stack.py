@@ -22,11 +22,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from promcheck import firing, wait_for_series
 from upstack import (
     CHUNK,
     CLUSTER_REWRITES,
-    EXAMPLE,
     READY_S,
     SETTLE_S,
     Domain,
@@ -36,6 +36,7 @@ from upstack import (
     metric,
     poll,
     prefix_hits,
+    processes_of,
     registered,
     sample,
     tokens,
@@ -51,7 +52,9 @@ P2P = ("demo-p2p-0", "demo-p2p-1")
 
 @pytest.fixture(scope="module")
 def domain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Domain]:
-    d = bring_up(tmp_path_factory.mktemp("up"), monitoring=True)
+    # One controller replica, pinned: this module's subject is what its death costs (a full
+    # sync); two hand over a warm index instead, test_controller_ha.py's subject.
+    d = bring_up(tmp_path_factory.mktemp("up"), monitoring=True, controller_replicas=1)
     try:
         yield d
     finally:
@@ -64,13 +67,15 @@ def test_render_runs_verbatim(domain: Domain) -> None:
     and no worker was refused or stopped."""
     state = domain.state
     assert state["ready"]
-    assert set(state["processes"]) == {*domain.rendered, "prometheus"}  # up --monitoring's
-    for name in domain.rendered:
-        proc = state["processes"][name]
-        assert proc["argv"][0] == domain.rendered[name].argv[0], name
+    pods = {p: name for name in domain.rendered for p in processes_of(state, name)}
+    assert len(processes_of(state, "demo-gateway")) == 2  # the gateway's default replicas
+    assert set(state["processes"]) == {*pods, "prometheus"}  # up --monitoring's
+    for pod, name in pods.items():
+        proc = state["processes"][pod]
+        assert proc["argv"][0] == domain.rendered[name].argv[0], pod
         for line in proc["rewrites"]:
-            assert CLUSTER_REWRITES.match(line), (name, line)
-        assert "refusing to start" not in domain.log(name), name
+            assert CLUSTER_REWRITES.match(line), (pod, line)
+        assert "refusing to start" not in domain.log(pod), pod
     a = domain.url("demo-p2p-0")
     assert chat(a, messages("verbatim", 20)).text
 
@@ -214,7 +219,7 @@ def test_hand_edited_pod_is_refused_by_the_worker(
     controller = domain.url("demo-controller")
     before = metric(controller, "kvpool_controller_messages_total", '{type="RegisterMsg"}')
     with LocalStack(
-        render_files([EXAMPLE]).objects, tmp_path, cluster=cluster_from_state(domain.state)
+        render_files([domain.file]).objects, tmp_path, cluster=cluster_from_state(domain.state)
     ) as stack:
         run = stack.start(stack.prepare("demo-p2p-1", edit=edit, as_name=f"edited-{env}"))
         assert run.proc.wait(timeout=READY_S) == 2
@@ -240,9 +245,10 @@ def test_worker_of_another_domain_is_refused_by_the_controller(
     from a rollout) is self-consistent, so it starts; the controller refuses its registration
     by fingerprint, counts it and never indexes its KV; the worker turns unready, saying why."""
     other = tmp_path / "cpu-demo-seed1.yaml"
-    text = EXAMPLE.read_text()
-    assert 'hashSeed: "0"' in text
-    other.write_text(text.replace('hashSeed: "0"', 'hashSeed: "1"'))
+    docs = [d for d in yaml.safe_load_all(domain.file.read_text()) if d]
+    assert docs[0]["spec"]["hashSeed"] == "0"
+    docs[0]["spec"]["hashSeed"] = "1"
+    other.write_text(yaml.safe_dump_all(docs))
     controller = domain.url("demo-controller")
     refusals = '{reason="fingerprint"}'
     before = metric(controller, "kvpool_controller_refusals_total", refusals)

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import redis
 import yaml
-from upstack import EXAMPLE, poll
+from upstack import EXAMPLE, poll, processes_of
 
 from kvpool.operator.local.up import UpProcess
 
@@ -53,10 +53,16 @@ def test_the_controller_persists_to_the_local_redis_the_pool_names(up: UpProcess
     state = up.state()
     ((host, port, local),) = state["cluster"]["external"]
     assert (host, port) == ("kv-redis.default.svc", 6379)
-    argv = state["processes"]["demo-controller"]["argv"]
-    assert argv[argv.index("--redis-url") + 1] == f"redis://127.0.0.1:{local}/3"
-    log = Path(state["processes"]["demo-controller"]["log"]).read_text()
-    assert f"from redis://127.0.0.1:{local}/3" in log  # it reloaded (nothing) from there
+    replicas = processes_of(state, "demo-controller")  # two by default
+    for pod in replicas:
+        argv = state["processes"][pod]["argv"]
+        assert argv[argv.index("--redis-url") + 1] == f"redis://127.0.0.1:{local}/3"
+    logs = [Path(state["processes"][pod]["log"]) for pod in replicas]
+    poll(  # the leader reloaded (nothing) from there
+        "a reload from the local Redis",
+        lambda: any(f"from redis://127.0.0.1:{local}/3" in log.read_text() for log in logs),
+        60,
+    )
     assert redis.Redis(port=local, db=3).ping()
 
 

@@ -23,6 +23,7 @@ from upstack import (
     messages,
     poll,
     prefix_hits,
+    processes_of,
     registered,
     tokens,
 )
@@ -33,7 +34,7 @@ from kvpool.operator.local.up import UpProcess, render_files
 
 DOMAIN = Path(__file__).resolve().parent / "sim-small.yaml"
 INSTANCES = [f"simsmall-sim-{i}" for i in range(4)]
-READY_S = 180.0  # four simulated instances, a controller and a gateway on a shared 2-core box
+READY_S = 180.0  # four simulated instances, a controller, two gateways on a shared 2-core box
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +64,12 @@ def test_sim_domain_registers_routes_kv_hits_and_goes_down(
 ) -> None:
     state = up.state()
     processes = state["processes"]
-    for name in rendered:
-        assert name in processes, name
-        for line in processes[name]["rewrites"]:
-            assert CLUSTER_REWRITES.match(line), (name, line)
+    for name in rendered:  # the gateway: two replicas, by default
+        for pod in processes_of(state, name):
+            assert pod in processes, pod
+            for line in processes[pod]["rewrites"]:
+                assert CLUSTER_REWRITES.match(line), (pod, line)
+    assert len(processes_of(state, "simsmall-gateway")) == 2
     hosts = {p["hosted_by"] for n, p in processes.items() if n in INSTANCES and "hosted_by" in p}
     assert hosts == ({"simsmall-sim-host"} if up.sim_host else set())
     if up.sim_host:

@@ -29,7 +29,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cpu-demo.yaml"
 READY_S = 600.0  # the whole render on a shared 2-core box
 #: What ``up`` may change in the render (state file ``rewrites``): cluster rewrites only.
 CLUSTER_REWRITES = re.compile(
-    r"^(argv|env|files)\S*: .* -> .*$|^env\.\S+: (fieldRef status\.podIP|secretKeyRef \S+) -> "
+    r"^(argv|env|files)\S*: .* -> .*$|"
+    r"^env\.\S+: (fieldRef (status\.podIP|metadata\.name|metadata\.namespace)|secretKeyRef \S+) -> "
 )
 SETTLE_S = 20.0  # admit events reach the controller asynchronously (LMCache batches them)
 CHUNK = 256
@@ -53,6 +54,7 @@ class Domain:
 
     up: UpProcess
     rendered: dict[str, Workload]
+    file: Path = EXAMPLE  # the domain as brought up
 
     @property
     def state(self) -> dict[str, Any]:
@@ -100,15 +102,31 @@ def _status(url: str) -> int | None:
         return None
 
 
-def bring_up(state_dir: Path, *, monitoring: bool = False) -> Domain:
-    """The cpu-demo render, up (``monitoring``: with ``up --monitoring``'s Prometheus)."""
-    up = UpProcess([str(EXAMPLE)], state_dir, monitoring=monitoring)
+def bring_up(
+    state_dir: Path, *, monitoring: bool = False, controller_replicas: int | None = None
+) -> Domain:
+    """The cpu-demo render, up (``monitoring``: with ``up --monitoring``'s Prometheus;
+    ``controller_replicas``: ``spec.controller.replicas`` set in a copy of the example)."""
+    example = EXAMPLE
+    if controller_replicas is not None:
+        docs = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
+        docs[0]["spec"].setdefault("controller", {})["replicas"] = controller_replicas
+        state_dir.mkdir(parents=True, exist_ok=True)
+        example = state_dir / EXAMPLE.name
+        example.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    up = UpProcess([str(example)], state_dir, monitoring=monitoring)
     try:
         up.start(READY_S)
     except Exception:
         up.stop()
         raise
-    return Domain(up, workloads(render_files([EXAMPLE]).objects))
+    return Domain(up, workloads(render_files([example]).objects), example)
+
+
+def processes_of(state: dict[str, Any], name: str) -> list[str]:
+    """The process names ``up`` runs a rendered workload as: one per replica of a Deployment
+    of several (``<name>-0``, ``-1``...), else the workload's own name."""
+    return list(state.get("replicas", {}).get(name, [name]))
 
 
 def messages(topic: str, sentences: int) -> list[dict[str, str]]:
