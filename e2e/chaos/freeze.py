@@ -351,7 +351,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warm", type=float, default=25.0, help="seconds of load before a kill")
     p.add_argument("--settle", type=float, default=8.0, help="seconds after every worker thawed")
     p.add_argument("--arm", choices=("before", "after"), action="append",
-                   help="run only this arm (repeatable; default both)")  # fmt: skip
+                   help="this arm (repeatable, in order; default both, before first)")  # fmt: skip
     p.add_argument("--no-netns", action="store_true", help="stay in this network namespace")
     return p
 
@@ -379,9 +379,9 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="kvpool-freeze-") as tmp:
         workdir = (args.workdir or Path(tmp)).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
-        for arm in arms(workdir):
-            if args.arm and arm.name not in args.arm:
-                continue
+        by_name = {a.name: a for a in arms(workdir)}
+        for name in args.arm or list(by_name):  # in the order given: the box's load drifts
+            arm = by_name[name]
             try:
                 doc["arms"].append(ArmRun(arm, workdir, bounds, say).execute())
             except KeyboardInterrupt:

@@ -269,7 +269,14 @@ def markdown(arms: Sequence[Mapping[str, Any]]) -> str:
             f"{arm['requests_total'] - sum(arm['request_errors'].values())} / "
             f"{arm['requests_total']} | {load['start']:.1f} → {load['end']:.1f} |"
         )
-    return head + "\n".join(rows) + "\n"
+    notes = [
+        f"\n{arm['name']}: only {ok} of {arm['requests_total']} requests answered (load "
+        f"average {arm['env']['loadavg']['end']:.1f}): its counts of requests and stores are low"
+        for arm in arms
+        if (ok := arm["requests_total"] - sum(arm["request_errors"].values()))
+        < 0.9 * arm["requests_total"]
+    ]
+    return head + "\n".join(rows) + "\n" + "".join(n + "\n" for n in notes)
 
 
 def _f(x: float | None) -> str:
