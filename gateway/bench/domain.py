@@ -81,8 +81,8 @@ class Domain:
     gateway_pid: int | None = None
 
     @classmethod
-    def render(cls, root: Path) -> Domain:
-        rendered = render_files([POOL_FILE])
+    def render(cls, root: Path, pool_file: Path = POOL_FILE) -> Domain:
+        rendered = render_files([pool_file])
         return cls(root, LocalStack(rendered.objects, root / "domain", rendered.services))
 
     def names(self, component: str) -> list[str]:
@@ -134,18 +134,20 @@ class Domain:
         extra_args: tuple[str, ...] = (),
         port: int | None = None,
         tag: str = "",
+        pool_file: Path | None = None,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Our gateway from the render (``policy`` None: the pool's own routing policy), its
-        command line extended by ``extra_args`` (``--workers N``: the operator renders one
-        process), on ``port`` instead of the rendered one (two gateways at once), named
-        with ``tag``.
+        """Our gateway from the render (``policy`` None: the pool's own routing policy;
+        ``pool_file``: the render of that variant of the domain's pool), its command line
+        extended by ``extra_args`` (``--workers N``: the operator renders one process), on
+        ``port`` instead of the rendered one (two gateways at once), named with ``tag``.
 
         Yields its URL and the rendered (localized) gateway config it reads."""
         stack = self.stack
-        if policy is not None:
-            rendered = render_files([_policy_file(policy, self.root)])
+        if policy is not None or pool_file is not None:
+            path = pool_file if pool_file is not None else _policy_file(str(policy), self.root)
+            rendered = render_files([path])
             stack = LocalStack(
-                rendered.objects, self.root / f"gw-{policy}", cluster=self.stack.cmap
+                rendered.objects, self.root / f"gw-{path.stem}", cluster=self.stack.cmap
             )
         (name,) = [n for n, w in stack.rendered.items() if w.component == "gateway"]
         lw = stack.prepare(name, as_name=f"{name}-{policy or 'default'}{tag}")
