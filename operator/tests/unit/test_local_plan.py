@@ -93,6 +93,27 @@ def test_gateway_routing_config_reaches_local_workers(
     assert cfg["controllerUrl"] == f"http://{ls.LOOPBACK}:{ctl.ports['http']}"
 
 
+def test_a_gateway_replica_binds_its_own_ports_and_reaches_the_decoders_ports(
+    objects: list[ls.Obj], tmp_path: Path
+) -> None:
+    """A replica binds its own ports (its PD proxy port too), but a bare port number of another
+    workload in its config (a PD decoder's init and alloc ports) is that workload's local port:
+    the NIXL sender of the prefill reaches the decoder there, not at its container port."""
+    cmap = ls.cluster_map(objects, _ports())
+    loads = ls.workloads(objects)
+    one = cmap.for_replica("demo-gateway", 1)
+    gw = ls.localize(loads["demo-gateway"], one, tmp_path)
+    ls.check_rewrite(loads["demo-gateway"], gw, one)
+    (pair,) = yaml.safe_load(next(iter(gw.files.values())))["pdPairs"]
+    (decode,) = pair["decode"]
+    assert decode["initPorts"] == [cmap.ports[21011]] and decode["allocPorts"] == [
+        cmap.ports[21012]
+    ]
+    own = cmap.replicas["demo-gateway"][1]
+    assert pair["proxyPort"] == own[7500] != cmap.ports[7500]
+    assert gw.ports == {n: own[p] for n, p in loads["demo-gateway"].ports.items()}
+
+
 def test_worker_and_controller_addresses_meet_on_the_same_local_sockets(
     objects: list[ls.Obj], tmp_path: Path
 ) -> None:

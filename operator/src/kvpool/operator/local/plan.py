@@ -178,8 +178,10 @@ class ClusterMap:
 
     ``ports`` is where a container port is reached (through its Service, or the pod's DNS
     name); for a Deployment of several replicas that is the Service's proxy, and each replica
-    binds its own ports (``replicas``). ``own`` is the map of the pod being localized: the
-    ports it binds, which bare port numbers and bind addresses in its spec mean.
+    binds its own ports (``replicas``). ``own`` is the map of the replica being localized:
+    the ports it binds. ``own_ports`` is what bare port numbers and bind addresses in a pod's
+    spec mean: its own ports, over the domain's (a bare number naming another workload's port,
+    a PD decoder's in the gateway's config, is still that workload's).
     """
 
     hosts: frozenset[str]
@@ -192,7 +194,7 @@ class ClusterMap:
 
     @property
     def own_ports(self) -> Mapping[int, int]:
-        return self.ports if self.own is None else self.own
+        return self.ports if self.own is None else {**self.ports, **self.own}
 
     def for_replica(self, workload: str, index: int) -> ClusterMap:
         """The map replica ``index`` of ``workload`` is localized with."""
