@@ -18,13 +18,17 @@ import pytest
 import yaml
 from op_builders import pd, pool
 
+from kvpool.operator import figures as fig
 from kvpool.operator.api import KVCachePool, PDPair
 from kvpool.operator.derive.ports import pd_ports
 from kvpool.operator.loader import load_text
 from kvpool.operator.render import lmcache_configs, render_domain
+from kvpool.operator.render.fingerprint import pool_fingerprint
 from kvpool.operator.validation import memory_budgets, validate_domain
 from kvpool.operator.validation.problems import apply_patches
+from kvpool.protocol.domain import instance_id
 from kvpool.protocol.gateway_config import LIVE_KEYS
+from kvpool.protocol.http_api import stats_reply
 
 CPU = {"engine": {"platform": "cpu"}}
 
@@ -113,3 +117,19 @@ def test_a_vllm_pair_is_warned_about_and_left_as_it_was() -> None:
     for cfg in lmcache_configs(the_pool, pair).values():
         assert cfg["local_cpu"] is False and "enable_controller" not in cfg
     assert "bypassMinCachedRatio" not in _gateway_pairs(the_pool, pair)[0]
+
+
+def test_a_keeping_decoder_is_an_expected_registration_not_a_stranger() -> None:
+    """The pool's live figures count the decoders that register for the bypass among the
+    expected instances (not under unexpectedInstances); the prefill never registers."""
+    the_pool, pair = _bypass(0.5), _cpu_pd()
+    fp = pool_fingerprint(the_pool)
+    body = stats_reply({instance_id("pair-decode-0", fp): 1}, 3, {"LocalCPUBackend": 3}, {}, {})
+    reading = fig.Reading(controller=fig.read_controller(body), gateway=None, window=None)
+    live = fig.pool_figures(the_pool, [pair], reading)
+    assert (live.instances, live.instances_expected, live.unexpected_instances) == ("1/1", 1, [])
+    off = fig.pool_figures(_bypass(None), [pair], reading)
+    assert (off.instances_expected, off.unexpected_instances) == (
+        0,
+        [instance_id("pair-decode-0", fp)],
+    )

@@ -40,6 +40,7 @@ from kvpool.operator.api.pool import (
     TierFigures,
 )
 from kvpool.operator.derive.instances import instances, member_instances
+from kvpool.operator.derive.platform import pd_bypass_ratio
 from kvpool.operator.derive.sizing import chunk_bytes_per_rank
 from kvpool.operator.render.fingerprint import pool_fingerprint
 from kvpool.protocol.domain import instance_id, split_instance_id
@@ -238,8 +239,9 @@ def health(reading: Reading, last_read: Mapping[str, str] | None = None) -> Heal
 
 @dataclass(frozen=True)
 class _Expected:
-    """The instances registering with the controller: P2PGroup instances (PD instances do not
-    register), with their TP sizes."""
+    """The instances registering with the controller, with their TP sizes: P2PGroup instances
+    and, with the gateway's PD bypass on, the decoders that keep (``platform.pd_bypass_ratio``;
+    other PD instances do not register)."""
 
     tp: dict[str, int]  # instance name -> TP size
     ids: dict[str, str]  # lmcache instance id -> instance name
@@ -248,7 +250,10 @@ class _Expected:
     def of(cls, pool: KVCachePool, members: list[Member]) -> _Expected:
         fp = pool_fingerprint(pool)
         tp = {
-            inst.name: inst.tp for m in members if isinstance(m, P2PGroup) for inst in instances(m)
+            inst.name: inst.tp
+            for m in members
+            for inst in instances(m)
+            if isinstance(m, P2PGroup) or (inst.role == "decode" and pd_bypass_ratio(pool, m) > 0)
         }
         return cls(tp, {instance_id(name, fp): name for name in tp})
 

@@ -376,7 +376,10 @@ class LivePoolFigures(ApiModel):
         default=None, description="Expected instances with every TP rank registered."
     )
     instances_expected: int = Field(
-        default=0, description="Instances of the pool's P2PGroups (PD instances do not register)."
+        default=0,
+        description="Instances registering with the controller: the pool's P2PGroups' and, "
+        "with spec.gateway.pd.bypassMinCachedRatio, its platform cpu PDPairs' decoders (other "
+        "PD instances do not register).",
     )
     workers_registered: int | None = None
     workers_expected: int = 0
