@@ -145,6 +145,8 @@ def test_register_heartbeat_admits_in_order_and_deregister(make_sim_engine: Make
         await complete(eng, "a")
         await until(lambda: fake.of(w.BatchedKVOperationMsg))
         await until(lambda: sum(isinstance(m, w.HeartbeatMsg) for m in fake.asked) >= 2)
+        # the client counts a heartbeat once its answer is back, after the fake has read it
+        await until(lambda: eng.metrics()["lmcache_heartbeats_total"] >= 2)
         m = eng.metrics()
         await eng.shutdown(1.0)
         await until(lambda: fake.of(w.DeRegisterMsg))
