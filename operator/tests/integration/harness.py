@@ -36,6 +36,7 @@ PLURALS = {
     "Deployment": "apis/apps/v1/namespaces/{ns}/deployments",
     "Secret": "api/v1/namespaces/{ns}/secrets",
     "ServiceAccount": "api/v1/namespaces/{ns}/serviceaccounts",
+    "Service": "api/v1/namespaces/{ns}/services",
     "Role": "apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
     "RoleBinding": "apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
     "PodDisruptionBudget": "apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",

@@ -22,6 +22,7 @@ from kvpool.operator.runtime import permissions
 
 PDB = "policy/v1/poddisruptionbudgets"
 NP = "networking.k8s.io/v1/networkpolicies"
+SVCS = "v1/services"
 ROLES = "rbac.authorization.k8s.io/v1/roles"
 BINDINGS = "rbac.authorization.k8s.io/v1/rolebindings"
 REAL_CLUSTER_ONLY = {
@@ -79,6 +80,9 @@ async def test_every_request_is_granted_and_every_grant_is_used(
     )
     await client.patch("PodDisruptionBudget", "demo-p2p", {"spec": {"maxUnavailable": 5}})
     await client.patch("NetworkPolicy", "demo-p2p", {"spec": {"policyTypes": ["Egress"]}})
+    # a Service edited by hand: restored by a patch (no flow above needs one on every run)
+    svc_drift = {"metadata": {"labels": {"app.kubernetes.io/name": "x"}}}
+    await client.patch("Service", "demo-gateway", svc_drift)
     # hand-made drift of the controller's access objects, restored by the next pass
     await client.patch("Role", "demo-controller", {"rules": []})
     await client.patch("RoleBinding", "demo-controller", {"subjects": []})
@@ -92,6 +96,10 @@ async def test_every_request_is_granted_and_every_grant_is_used(
     await eventually(lambda: not apiserver.live(ROLES))  # one replica elects nobody: pruned
     await eventually(lambda: one(apiserver, PDB, "demo-p2p")["spec"]["maxUnavailable"] == 1)
     await eventually(lambda: one(apiserver, NP, "demo-p2p")["spec"]["policyTypes"] == ["Ingress"])
+    await eventually(
+        lambda: one(apiserver, SVCS, "demo-gateway")["metadata"]["labels"]["app.kubernetes.io/name"]
+        != "x"
+    )
     bad = {"spec": {"tiers": {"disk": {"path": "/kv", "size": "1Gi"}}}}
     await client.patch("KVCachePool", "demo", bad)
     await eventually(
