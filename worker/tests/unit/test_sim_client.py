@@ -11,6 +11,7 @@ deregistration. The real controller is in tests/integration/test_sim_process.py.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ import zmq.asyncio
 
 from kvpool.protocol import lmcache_wire as w
 from kvpool.protocol.hashing import HashConfig, chunk_hashes
+from kvpool.worker.controller_wait import ControllerUnreachableError, wait_for_controller
 from kvpool.worker.engine_api import GenerationRequest, SamplingParams
 from kvpool.worker.sim.config import ControllerLink, FullSyncParams
 from kvpool.worker.sim.engine import SimEngine
@@ -34,15 +36,18 @@ KEYS = chunk_hashes(PROMPT, HashConfig(chunk_size=16))
 class FakeController:
     """Scripted controller sockets on 127.0.0.1; ``answer(msg)`` returns a reply or None."""
 
-    def __init__(self, answer: Answer) -> None:
+    def __init__(self, answer: Answer, ports: dict[str, int] | None = None) -> None:
         self.ctx = zmq.asyncio.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.hb = self.ctx.socket(zmq.ROUTER)
-        self.ports = {
-            name: sock.bind_to_random_port("tcp://127.0.0.1")
-            for name, sock in (("pull", self.pull), ("reply", self.router), ("hb", self.hb))
-        }
+        socks = (("pull", self.pull), ("reply", self.router), ("hb", self.hb))
+        if ports is not None:  # a controller that comes up at an address known beforehand
+            for name, sock in socks:
+                sock.bind(f"tcp://127.0.0.1:{ports[name]}")
+            self.ports = dict(ports)
+        else:
+            self.ports = {name: sock.bind_to_random_port("tcp://127.0.0.1") for name, sock in socks}
         self.answer = answer
         self.pushed: list[Any] = []
         self.asked: list[Any] = []
@@ -108,9 +113,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def attach(eng: SimEngine, fake: FakeController, **link: Any) -> ControllerClient:
+def attach(
+    eng: SimEngine, fake: FakeController | None, at: ControllerLink | None = None, **link: Any
+) -> ControllerClient:
+    """A client for ``eng`` to ``fake``'s sockets, or to the link ``at`` (no controller yet)."""
+    if at is None:
+        assert fake is not None
+        at = fake.link(free_port(), **link)
     eng.client = ControllerClient(
-        fake.link(free_port(), **link),
+        at,
         instance_id="sim-0~0123456789ab",
         ip="127.0.0.1",
         bind_host="127.0.0.1",
@@ -190,6 +201,78 @@ def test_a_refusal_is_the_engines_refusal_and_silence_makes_it_mute(make_sim_eng
     reason, is_mute, pushed = asyncio.run(run())
     assert reason == "fingerprint mismatch"
     assert is_mute and pushed == []  # LMCache's worker goes mute without a registration
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 10.0])
+def test_a_controller_that_answers_only_after_the_worker_started(
+    make_sim_engine: Make, wait_s: float
+) -> None:
+    """A domain's roll: the worker starts while no controller answers (its replicas elect);
+    one comes up 1.2 s later. Without the wait (0, LMCache's behaviour) the RegisterMsg times
+    out and the worker is mute for good; with it the engine asks (a P2P lookup of no chunk,
+    each attempt on a fresh socket), is not ready while it waits, registers once answered, and
+    its admits reach the controller."""
+    ports = {name: free_port() for name in ("pull", "reply", "hb")}
+    hb_url = f"127.0.0.1:{ports['hb']}"
+
+    def answer(msg: Any) -> Any:
+        if isinstance(msg, w.BatchedP2PLookupMsg):
+            return w.BatchedP2PLookupRetMsg([("", "", 0, "")])
+        if isinstance(msg, w.RegisterMsg):
+            return w.RegisterRetMsg({"heartbeat_url": hb_url})
+        return w.HeartbeatRetMsg() if isinstance(msg, w.HeartbeatMsg) else None
+
+    async def run() -> tuple[bool, str | None, bool, list[Any], list[Any]]:
+        eng = make_sim_engine(controller_wait_s=wait_s)
+        at = ControllerLink(
+            pull_url=f"127.0.0.1:{ports['pull']}",
+            reply_url=f"127.0.0.1:{ports['reply']}",
+            worker_port=free_port(),
+            heartbeat_delay_s=0.0,
+            heartbeat_s=0.05,
+            recv_timeout_s=0.3,
+        )
+        attach(eng, None, at)
+        start = asyncio.create_task(eng.start())
+        await asyncio.sleep(0.6)
+        waiting = eng.waiting_for_controller
+        await asyncio.sleep(0.6)
+        started_before = start.done()  # before any controller was there
+        fake = FakeController(answer, ports)
+        await start
+        await complete(eng, "a")
+        if wait_s:
+            await until(lambda: fake.of(w.BatchedKVOperationMsg))
+        else:
+            await asyncio.sleep(0.3)
+        assert eng.client is not None
+        mute = eng.client.mute
+        await eng.shutdown(0.5)
+        await fake.close()
+        return mute, waiting, started_before, fake.asked, fake.pushed
+
+    mute, waiting, started_before, asked, pushed = asyncio.run(run())
+    if not wait_s:  # the bug: LMCache's one RegisterMsg met no controller
+        assert mute and started_before and waiting is None and pushed == []
+        return
+    assert not mute and not started_before and waiting == f"127.0.0.1:{ports['reply']}"
+    assert asked[0] == w.BatchedP2PLookupMsg([], "sim-0~0123456789ab", 0)
+    kinds = [type(m) for m in asked if not isinstance(m, w.HeartbeatMsg)]
+    # the probe (twice when an attempt's answer came as that attempt gave up), then one
+    # registration: LMCache's, answered
+    assert set(kinds[:-1]) == {w.BatchedP2PLookupMsg} and kinds[-1] is w.RegisterMsg
+
+
+def test_the_wait_for_a_controller_is_bounded_and_names_the_fix() -> None:
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(ControllerUnreachableError) as err:
+        wait_for_controller(f"127.0.0.1:{port}", "i", timeout_s=0.5, attempt_s=0.2)
+    assert 0.5 <= time.monotonic() - t0 < 3.0
+    assert f"127.0.0.1:{port}" in str(err.value) and "KVPOOL_WORKER_CONTROLLER_WAIT_S" in str(
+        err.value
+    )
+    assert wait_for_controller(f"127.0.0.1:{port}", "i", timeout_s=0) == 0.0  # 0: no wait
 
 
 def test_full_sync_freezes_sends_cpu_keys_lru_first_and_resends_missing(

@@ -43,6 +43,7 @@ from kvpool.worker.contract import (
     format_problems,
     parse_lmcache_config,
 )
+from kvpool.worker.controller_wait import ControllerUnreachableError, wait_for_controller
 from kvpool.worker.engine_api import Engine, ReferenceEngineOptions
 from kvpool.worker.server import WorkerRuntime, build_app
 from kvpool.worker.settings import WorkerSettings
@@ -90,6 +91,7 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--drain-timeout", "drain_timeout_s", float, "SIGTERM: seconds to drain in-flight work"),
     ("--shutdown-deadline", "shutdown_deadline_s", float, "SIGTERM: exit within (seconds)"),
     ("--stall-timeout", "stall_timeout_s", float, "unready while one engine step runs longer"),
+    ("--controller-wait", "controller_wait_s", float, "s the KV controller may take (0: none)"),
     ("--log-level", "log_level", str, "debug, info, warning or error"),
 ]
 
@@ -226,11 +228,23 @@ def run_vllm(args: argparse.Namespace, settings: WorkerSettings, env: Mapping[st
     if args.print_command:
         print(shlex.join(argv))
         return EXIT_OK
+    await_lmcache_controller(config, settings)  # vLLM builds LMCache's engine, which registers
     logger.info("exec %s", shlex.join(argv))
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(argv[0], argv, dict(env))
     return EXIT_FAILED  # not reached
+
+
+def await_lmcache_controller(config: Mapping[str, Any], settings: WorkerSettings) -> None:
+    """Before LMCache's engine starts (it registers once, and goes mute without an answer):
+    the bounded wait for a controller that answers (:mod:`kvpool.worker.controller_wait`);
+    raises ``ControllerUnreachableError`` when it runs out."""
+    url = config.get("controller_reply_url")
+    if not config.get("enable_controller") or not url:
+        return
+    instance = str(config.get("lmcache_instance_id") or "")
+    wait_for_controller(str(url), instance, timeout_s=settings.controller_wait_s)
 
 
 def reference_options(settings: WorkerSettings, config_file: str | None) -> ReferenceEngineOptions:
@@ -299,6 +313,7 @@ def build_reference_engine(
 
             restrict_ucx(os.environ)  # before NIXL loads: UCX reads the process env once
         instance = str(config.get("lmcache_instance_id") or options.lmcache_instance_id)
+        await_lmcache_controller(config, settings)
         try:
             offload = LMCacheOffload(
                 config_file,
@@ -484,6 +499,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         runtime = build_runtime(settings, env)
     except StartRefusedError as exc:
         return refuse(exc)
+    except ControllerUnreachableError as exc:
+        logger.error("%s", exc)
+        return EXIT_FAILED  # not refused: the kubelet starts the worker again
     try:
         code = asyncio.run(serve(runtime, settings))
     except SystemExit as exc:  # uvicorn exits when it cannot bind: still end for real below

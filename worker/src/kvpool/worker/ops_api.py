@@ -38,6 +38,8 @@ def build_ops_router(runtime: WorkerRuntime) -> APIRouter:
         body = {"status": runtime.state}
         if runtime.refusal is not None:
             body["reason"] = runtime.refusal
+        elif runtime.waiting_for_controller is not None:
+            body["reason"] = f"waiting for the KV controller at {runtime.waiting_for_controller}"
         return JSONResponse(body, status_code=503)
 
     @router.get("/metrics")

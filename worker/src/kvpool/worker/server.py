@@ -77,6 +77,13 @@ class WorkerRuntime:
         return reason if isinstance(reason, str) else None
 
     @property
+    def waiting_for_controller(self) -> str | None:
+        """The KV controller's URL while the engine waits for it to answer before LMCache
+        registers (:mod:`kvpool.worker.controller_wait`); the worker is starting meanwhile."""
+        url = getattr(self.engine, "waiting_for_controller", None)
+        return url if isinstance(url, str) else None
+
+    @property
     def frozen(self) -> bool:
         """LMCache's full-sync freeze (after a controller restart): stores are dropped until
         the controller confirms the sync; the engine's own ``lmcache_frozen`` or its offload's."""
@@ -175,6 +182,9 @@ class _GateMiddleware:
                 "stalled": "the engine is stuck on one step; retry on another instance",
                 "starting": "the engine is still starting; retry when /readyz is 200",
             }[state]
+            if state == "starting" and rt.waiting_for_controller is not None:
+                msg = f"the engine waits for the KV controller at {rt.waiting_for_controller}"
+
             body = json.dumps(error_body(msg, code=state, type_="service_unavailable"))
             await send(
                 {

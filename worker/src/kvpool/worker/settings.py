@@ -105,4 +105,9 @@ class WorkerSettings(BaseSettings):
     #: max_model_len tokens (8K tokens of the reference model: 8 s on a 2-core box at load 6).
     stall_timeout_s: float = Field(default=120.0, gt=0)
 
+    #: Before LMCache registers (it sends RegisterMsg once and goes mute without an answer),
+    #: wait this long for the KV controller to answer (kvpool.worker.controller_wait), not
+    #: ready meanwhile; past it the worker exits 1 and is restarted. 0: do not wait.
+    controller_wait_s: float = Field(default=300.0, ge=0)
+
     log_level: Literal["debug", "info", "warning", "error"] = "info"

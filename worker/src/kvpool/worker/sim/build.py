@@ -111,6 +111,7 @@ def build_sim_engine(
         cpu_bytes=lmc.cpu_bytes if lmc is not None and lmc.local_cpu else 0,
         disk_bytes=lmc.disk_bytes if lmc is not None else 0,
         worker_port=lmc.controller.worker_port if lmc is not None and lmc.controller else 0,
+        controller_wait_s=settings.controller_wait_s,
     )
     if events is not None and events.enabled:
         engine.kv_events = DeviceEventPublisher(

@@ -16,7 +16,8 @@ driver that gives it wall time and turns its results into what the runtime consu
   prompt's cached tokens and TTFT;
 - a P2P lookup at a request's arrival when the rendered config enables P2P (its answer is
   ``SimRequest.peer_end``; simcore models the pull), abort when the client goes away, a
-  bounded shutdown that deregisters from the controller;
+  bounded shutdown that deregisters from the controller; before the client registers, a
+  bounded wait for a controller that answers (:mod:`kvpool.worker.controller_wait`);
 - every admit and evict simcore reports goes to the controller client (LMCache locations)
   or vLLM's KV-event publisher (device, :mod:`.kv_events`), and is counted for ``/metrics``.
 """
@@ -39,6 +40,7 @@ from kvpool.protocol.simcore.instance import (
     SubmitError,
 )
 from kvpool.protocol.simcore.kvcache import DEVICE, KvEvent
+from kvpool.worker.controller_wait import await_controller
 from kvpool.worker.engine_api import EngineError, GenerationRequest, TokenEvent
 from kvpool.worker.sim.kv_events import DeviceEventPublisher
 from kvpool.worker.sim.lmcache_client import ControllerClient
@@ -85,6 +87,7 @@ class SimEngine:
         cpu_bytes: int = 0,
         disk_bytes: int = 0,
         worker_port: int = 0,
+        controller_wait_s: float = 0.0,
     ) -> None:
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
@@ -97,6 +100,11 @@ class SimEngine:
         self.hashing = hashing
         self.speedup = speedup
         self.client = client
+        #: Seconds to wait for a controller that answers before the client registers
+        #: (:mod:`kvpool.worker.controller_wait`; 0: register at once, as LMCache does).
+        self.controller_wait_s = controller_wait_s
+        #: The controller's URL while that wait runs (``/readyz`` says so).
+        self.waiting_for_controller: str | None = None
         self.kv_events = kv_events
         self.p2p = p2p
         self.memory = SimMemory(
@@ -159,6 +167,15 @@ class SimEngine:
         if self.kv_events is not None:
             await self.kv_events.start()
         if self.client is not None:
+            self.waiting_for_controller = self.client.link.reply_url
+            try:
+                await await_controller(
+                    self.client.link.reply_url,
+                    self.client.instance_id,
+                    timeout_s=self.controller_wait_s,
+                )
+            finally:
+                self.waiting_for_controller = None
             await self.client.start()
         self._driver = asyncio.create_task(self._drive(), name=f"sim-{self.name}-steps")
         self._started = self._accepting = True
