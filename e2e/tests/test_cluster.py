@@ -11,8 +11,8 @@ engine) into processes the cluster's kubelet runs:
 - ``kubectl apply`` with client-side validation (a typo'd field is refused by kubectl itself),
   ``kubectl wait --for=condition=Ready``, ``kubectl get`` with the CRDs' printer columns,
   ``kubectl explain``;
-- the gateway runs its default two replicas, each pod on its own ports, its Service the
-  kubelet's proxy to both;
+- the controller and the gateway run their default two replicas, each pod on its own ports,
+  the gateway's Service the kubelet's proxy to both, the controller's to the leader;
 - a request through the gateway's Service reaches the instance that holds its prefix (kv-hit,
   the cached tokens reported), also through the API server's services proxy;
 - a domain the schemas accept refused at ``kubectl apply`` by the operator's webhook with the
@@ -21,7 +21,8 @@ engine) into processes the cluster's kubelet runs:
   replica through its mounted gateway.yaml: the same processes apply them, nothing restarts
   them;
 - ``kubectl scale p2pgroup``, a deleted worker pod recreated and registered again, a spec change
-  rolling every pod of the domain onto the new fingerprint;
+  rolling every pod of the domain onto the new fingerprint (the workers start while the new
+  controller replicas still elect: they wait for the leader before LMCache registers);
 - ``kubectl delete kvcachepool`` refused while members exist; the members' finalizers
   deregister their instances from the controller (through the cluster's service proxy), then
   the pool goes, and every pod's process with it.
@@ -56,7 +57,7 @@ DOMAIN = Path(__file__).resolve().parent / "sim-small.yaml"
 KUBECTL = shutil.which("kubectl")
 INSTANCES = [f"simsmall-sim-{i}" for i in range(4)]
 #: spec.controller.replicas and spec.gateway.replicas as sim-small.yaml leaves them: the defaults
-CONTROLLERS, GATEWAYS = 1, 2
+CONTROLLERS, GATEWAYS = 2, 2
 READY_S = 240.0  # the operator, a controller, two gateways and four sims on a 2-core box
 
 pytestmark = [
@@ -327,17 +328,33 @@ def _one_leader_behind_the_service(cluster: Cluster) -> None:
 def test_a_request_through_the_gateway_service_hits_the_previous_ones_kv(
     cluster: Cluster,
 ) -> None:
-    gateway, controller = (
-        cluster.url("simsmall-gateway"),
-        cluster.url("simsmall-controller", "9000"),
-    )
+    controller = cluster.url("simsmall-controller", "9000")
     ids = _instance_ids(cluster)
     poll(
         "every instance registered",
         lambda: all(registered(controller, i) for i in ids.values()),
         READY_S,
     )
-    msgs = messages("the cluster's harbor", 120)
+    _a_repeat_hits(cluster, ids, "the cluster's harbor")
+    models = json.loads(
+        cluster.kubectl(
+            "get",
+            "--raw",
+            "/api/v1/namespaces/default/services/simsmall-gateway:http/proxy/v1/models",
+        )
+    )
+    assert models["data"][0]["id"] == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def _a_repeat_hits(cluster: Cluster, ids: dict[str, str], topic: str) -> None:
+    """A prompt through the gateway's Service is indexed under the instance that served it (its
+    LMCache admits reach the controller), and the same prompt again is routed there as a
+    kv-hit with its full chunks cached."""
+    gateway, controller = (
+        cluster.url("simsmall-gateway"),
+        cluster.url("simsmall-controller", "9000"),
+    )
+    msgs = messages(topic, 120)
     toks = tokens(cluster.url("simsmall-sim-0"), msgs)
     full = len(toks) // CHUNK
     first = chat(gateway, msgs)
@@ -352,14 +369,6 @@ def test_a_request_through_the_gateway_service_hits_the_previous_ones_kv(
     assert again.headers["x-kvpool-instance"] == served, again.headers
     assert again.headers["x-kvpool-route-reason"] == "kv-hit", again.headers
     assert again.cached >= full * CHUNK, again.usage
-    models = json.loads(
-        cluster.kubectl(
-            "get",
-            "--raw",
-            "/api/v1/namespaces/default/services/simsmall-gateway:http/proxy/v1/models",
-        )
-    )
-    assert models["data"][0]["id"] == "meta-llama/Llama-3.1-8B-Instruct"
 
 
 def test_a_domain_the_schemas_accept_is_refused_by_the_webhook_with_the_fix(
@@ -520,6 +529,9 @@ def test_scale_a_deleted_pod_recreated_and_a_spec_change_rolling_the_domain(
     for pod in _pods(cluster).values():
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env", [])}
         assert env["PYTHONHASHSEED"] == "7", pod["metadata"]["name"]
+    # the workers started while the new controller replicas elected; they waited for the
+    # leader before LMCache registered, so their admits reach it (a mute LMCache: 0 % hits)
+    _a_repeat_hits(cluster, new_ids, "the rolled harbor")
 
 
 def test_a_pool_with_members_is_kept_then_members_and_pool_go_with_their_processes(

@@ -193,12 +193,13 @@ class ControllerSpec(ApiModel):
     """The KV controller Deployment."""
 
     replicas: int = Field(
-        default=1,
+        default=2,
         ge=1,
-        description="Default 1. With 2 or more, the replica holding the Lease <pool>-controller "
+        description="Default 2. With 2 or more, the replica holding the Lease <pool>-controller "
         "leads, the others keep a warm copy of its index and take over when it dies (seconds, "
         "no worker re-registering or full-syncing), and a PodDisruptionBudget lets a drain "
-        "evict one at a time.",
+        "evict one at a time. 1: one controller, whose loss degrades routing to least-load "
+        "until it is back and every worker has re-synced.",
     )
     ports: ControllerPorts = Field(default_factory=ControllerPorts)
     persistence: Persistence = Field(default_factory=Persistence)
