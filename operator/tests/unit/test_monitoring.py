@@ -100,6 +100,11 @@ def test_local_scrape_config_is_valid_and_selects_like_the_service_monitors(
     assert len(member) == 4  # the member Service selects every instance ...
     assert all(scrape.service_label_present("kvpool.io/instance") not in t["labels"]
                for t in member)  # ... and lacks the label the worker job requires  # fmt: skip
+    # the controller's two replicas (the default): its Service selects the leader by a label the
+    # elected replica sets at run time; one target per Service port, reaching the leader
+    name = scrape.META + "service_name"
+    controller = [t for t in targets if t["labels"][name] == "simsmall-controller"]
+    assert [t["labels"][scrape.META + "endpoint_port_name"] for t in controller].count("http") == 1
 
 
 def test_every_dashboard_query_parses(tmp_path: Path) -> None:

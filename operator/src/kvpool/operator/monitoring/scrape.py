@@ -38,6 +38,7 @@ from kvpool.operator.derive.names import (
     LABEL_ROLE,
     MANAGED_BY,
 )
+from kvpool.operator.local.plan import selects
 
 Obj = dict[str, Any]
 META = "__meta_kubernetes_"
@@ -254,9 +255,11 @@ def discovered_targets(objects: Sequence[Obj], local_port: Mapping[int, int]) ->
         meta, spec = svc["metadata"], svc["spec"]
         selector = spec.get("selector") or {}
         for pod, workload in _pods(objects):
-            template = workload["spec"]["template"]
-            if not selector or not selector.items() <= template["metadata"]["labels"].items():
+            # the controller Service selects its leader by the label the elected replica sets
+            # on its own pod; locally its port reaches the leader as the endpoints would
+            if not selector or not selects(selector, workload):
                 continue
+            template = workload["spec"]["template"]
             (container,) = template["spec"]["containers"]
             by_name = {p["name"]: int(p["containerPort"]) for p in container.get("ports", [])}
             for port in spec.get("ports", []):
