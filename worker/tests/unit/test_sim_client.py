@@ -15,14 +15,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 import zmq
 import zmq.asyncio
 
 from kvpool.protocol import lmcache_wire as w
+from kvpool.protocol.chat import REFERENCE_TOKENIZER_DIR, load_tokenizer
 from kvpool.protocol.hashing import HashConfig, chunk_hashes
+from kvpool.worker.cli import await_lmcache_controller
 from kvpool.worker.controller_wait import ControllerUnreachableError, wait_for_controller
 from kvpool.worker.engine_api import GenerationRequest, SamplingParams
+from kvpool.worker.server import WorkerRuntime, build_app
+from kvpool.worker.settings import WorkerSettings
 from kvpool.worker.sim.config import ControllerLink, FullSyncParams
 from kvpool.worker.sim.engine import SimEngine
 from kvpool.worker.sim.lmcache_client import ControllerClient
@@ -233,9 +238,13 @@ def test_a_controller_that_answers_only_after_the_worker_started(
             recv_timeout_s=0.3,
         )
         attach(eng, None, at)
-        start = asyncio.create_task(eng.start())
+        runtime = WorkerRuntime(eng, load_tokenizer(REFERENCE_TOKENIZER_DIR))
+        app = httpx.ASGITransport(app=build_app(runtime, start_engine=False))
+        start = asyncio.create_task(runtime.start_engine())
         await asyncio.sleep(0.6)
         waiting = eng.waiting_for_controller
+        async with httpx.AsyncClient(transport=app, base_url="http://w") as http:
+            readyz = (await http.get("/readyz")).json() if waiting else None
         await asyncio.sleep(0.6)
         started_before = start.done()  # before any controller was there
         fake = FakeController(answer, ports)
@@ -249,13 +258,14 @@ def test_a_controller_that_answers_only_after_the_worker_started(
         mute = eng.client.mute
         await eng.shutdown(0.5)
         await fake.close()
-        return mute, waiting, started_before, fake.asked, fake.pushed
+        return mute, waiting, readyz, started_before, fake.asked, fake.pushed
 
-    mute, waiting, started_before, asked, pushed = asyncio.run(run())
+    mute, waiting, readyz, started_before, asked, pushed = asyncio.run(run())
     if not wait_s:  # the bug: LMCache's one RegisterMsg met no controller
         assert mute and started_before and waiting is None and pushed == []
         return
     assert not mute and not started_before and waiting == f"127.0.0.1:{ports['reply']}"
+    assert readyz == {"status": "starting", "reason": f"waiting for the KV controller at {waiting}"}
     assert asked[0] == w.BatchedP2PLookupMsg([], "sim-0~0123456789ab", 0)
     kinds = [type(m) for m in asked if not isinstance(m, w.HeartbeatMsg)]
     # the probe (twice when an attempt's answer came as that attempt gave up), then one
@@ -273,6 +283,13 @@ def test_the_wait_for_a_controller_is_bounded_and_names_the_fix() -> None:
         err.value
     )
     assert wait_for_controller(f"127.0.0.1:{port}", "i", timeout_s=0) == 0.0  # 0: no wait
+    # what the reference engine and vLLM run before LMCache's engine: the config decides
+    config = {"enable_controller": True, "controller_reply_url": f"127.0.0.1:{port}"}
+    with pytest.raises(ControllerUnreachableError):
+        await_lmcache_controller(config, WorkerSettings(controller_wait_s=0.3))
+    t0 = time.monotonic()
+    await_lmcache_controller({**config, "enable_controller": False}, WorkerSettings())
+    assert time.monotonic() - t0 < 0.1  # no controller configured: no wait
 
 
 def test_full_sync_freezes_sends_cpu_keys_lru_first_and_resends_missing(
