@@ -28,7 +28,7 @@ engine) into processes the cluster's kubelet runs:
   the pool goes, and every pod's process with it.
 
 One cluster for the module (the tests run in order and build on each other); bounded waits,
-127.0.0.1 only. Skipped, saying why, only where kubectl is not installed. About 3-4 minutes on
+127.0.0.1 only. Skipped, saying why, only where kubectl is not installed. About 1 minute on
 the shared 2-core box.
 """
 
