@@ -3,10 +3,11 @@
 real LMCache 0.5.6 engine), the gateway in process on the controller's delta stream.
 
 ``w0`` is the domain's worker. ``wx`` is a worker of another domain (another seed: its instance
-id carries its own fingerprint) that started while the controller was not up yet: its start-up
-registration check got no answer, so it stays ready and serves, while the controller refuses
-every registration of it once it runs (``GET /v1/stats`` lists it under ``refused``) and never
-indexes what it stores. (The gateway still has it in its instance list, as a pod of the pool.)
+id carries its own fingerprint) that started while the controller was not up yet, with the
+worker's wait for a controller turned off (``KVPOOL_WORKER_CONTROLLER_WAIT_S=0``, as a user may
+set it): its start-up registration check got no answer, so it stays ready and serves, while the
+controller refuses every registration of it once it runs (``GET /v1/stats`` lists it under
+``refused``) and never indexes what it stores. (The gateway still has it in its instance list, as a pod of the pool.)
 Scenarios, in this order (the last restarts the controller):
 
 - never stored: a prompt nobody sent before;
@@ -101,6 +102,8 @@ def domain(tmp_path: Path) -> Iterator[dict[str, Any]]:
             _worker_config(config, instance_id(name, fingerprint), pull, reply)
             env = {**base_env(), "LMCACHE_CONFIG_FILE": str(config)}
             env.update(PYTHONHASHSEED=facts.hash_seed, KVPOOL_DOMAIN_FINGERPRINT=fingerprint)
+            if name == "wx":  # no wait for the controller: it starts before there is one
+                env["KVPOOL_WORKER_CONTROLLER_WAIT_S"] = "0"
             procs.start(
                 name,
                 [str(BIN / "kvpool-worker"), "serve", "--engine", "reference", "--host",
