@@ -20,6 +20,7 @@ from op_builders import EXAMPLES, merge, p2p, pd, plain_p2p, pool
 from kvpool.operator.api import P2PGroup
 from kvpool.operator.derive.ports import member_port_range, p2p_ports, pd_ports
 from kvpool.operator.local import plan as ls
+from kvpool.operator.local import rewrite as lr
 from kvpool.operator.local.up import render_files
 from kvpool.operator.render import render
 from kvpool.operator.validation import apply_patches, validate_domain
@@ -214,13 +215,13 @@ def test_up_keeps_the_wildcard_bind_and_maps_both_ports(tmp_path: Path) -> None:
     seen: set[int] = set()
     for name in ("fleet-sim-0", "fleet-sim-15"):
         w = loads[name]
-        lw = ls.localize(w, cmap, tmp_path)
+        lw = lr.localize(w, cmap, tmp_path)
         local = _events_flag(lw.argv)
         assert local["endpoint"] == f"tcp://*:{lw.ports['kv-events']}"
         assert local["replay_endpoint"] == f"tcp://*:{lw.ports['kv-replay']}"
         assert local["enable_kv_cache_events"] is True and local["publisher"] == "zmq"
         seen |= {lw.ports["kv-events"], lw.ports["kv-replay"]}
-        changes = ls.check_rewrite(w, lw, cmap)
+        changes = lr.check_rewrite(w, lw, cmap)
         assert any("<json>.endpoint: 'tcp://*:" in c for c in changes), changes
         i = lw.argv.index("--kv-events-config") + 1
         for bad in (
@@ -229,7 +230,7 @@ def test_up_keeps_the_wildcard_bind_and_maps_both_ports(tmp_path: Path) -> None:
         ):
             lw.argv[i] = bad
             with pytest.raises(ls.StackError, match="is not a cluster rewrite"):
-                ls.check_rewrite(w, lw, cmap)
+                lr.check_rewrite(w, lw, cmap)
     assert len(seen) == 4
 
 
@@ -238,7 +239,7 @@ def test_up_leaves_a_json_flag_without_addresses_byte_for_byte(tmp_path: Path) -
     cmap = ls.cluster_map(objects, itertools.count(40000).__next__)
     for w in ls.workloads(objects).values():
         if "--rope-scaling" in w.argv:
-            lw = ls.localize(w, cmap, tmp_path)
+            lw = lr.localize(w, cmap, tmp_path)
             i = w.argv.index("--rope-scaling") + 1
             assert lw.argv[i] == w.argv[i]
             return

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from kvpool.operator.local import plan as ls
+from kvpool.operator.local import rewrite as lr
 from kvpool.operator.local.stack import pid_alive
 from kvpool.operator.local.up import render_files
 
@@ -29,7 +30,7 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "cpu-demo.yaml"
 #: The controller's API token, which a cluster keeps in the domain's Secret (up: a fresh value).
 SECRETS = {("demo-controller-token", "token"): "s3cret"}
 #: the downward API of a controller replica (with several, they elect on their pod's name)
-FIELDS = ls.pod_fields("demo-controller-0", "default")
+FIELDS = lr.pod_fields("demo-controller-0", "default")
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +61,8 @@ def test_rewrite_touches_only_cluster_provided_values(
 ) -> None:
     cmap = ls.cluster_map(objects, _ports())
     for name, w in ls.workloads(objects).items():
-        lw = ls.localize(w, cmap, tmp_path, SECRETS, FIELDS)
-        changes = ls.check_rewrite(w, lw, cmap)
+        lw = lr.localize(w, cmap, tmp_path, SECRETS, FIELDS)
+        changes = lr.check_rewrite(w, lw, cmap)
         assert changes, name
         assert all(v == ls.LOOPBACK or not v.startswith("0.0.0.0") for v in lw.argv)
         # Identity, seed and every non-address setting are byte-for-byte the render's.
@@ -83,13 +84,13 @@ def test_gateway_routing_config_reaches_local_workers(
     """Nested addresses (the gateway's instance URLs) move with their workers' ports."""
     cmap = ls.cluster_map(objects, _ports())
     loads = ls.workloads(objects)
-    gw = ls.localize(loads["demo-gateway"], cmap, tmp_path)
+    gw = lr.localize(loads["demo-gateway"], cmap, tmp_path)
     cfg = yaml.safe_load(next(iter(gw.files.values())))
     urls = {i["name"]: i["url"] for g in cfg["p2pGroups"] for i in g["instances"]}
     for name, url in urls.items():
-        port = ls.localize(loads[name], cmap, tmp_path).ports["http"]
+        port = lr.localize(loads[name], cmap, tmp_path).ports["http"]
         assert url == f"http://{ls.LOOPBACK}:{port}"
-    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path, SECRETS, FIELDS)
+    ctl = lr.localize(loads["demo-controller"], cmap, tmp_path, SECRETS, FIELDS)
     assert cfg["controllerUrl"] == f"http://{ls.LOOPBACK}:{ctl.ports['http']}"
 
 
@@ -102,8 +103,8 @@ def test_a_gateway_replica_binds_its_own_ports_and_reaches_the_decoders_ports(
     cmap = ls.cluster_map(objects, _ports())
     loads = ls.workloads(objects)
     one = cmap.for_replica("demo-gateway", 1)
-    gw = ls.localize(loads["demo-gateway"], one, tmp_path)
-    ls.check_rewrite(loads["demo-gateway"], gw, one)
+    gw = lr.localize(loads["demo-gateway"], one, tmp_path)
+    lr.check_rewrite(loads["demo-gateway"], gw, one)
     (pair,) = yaml.safe_load(next(iter(gw.files.values())))["pdPairs"]
     (decode,) = pair["decode"]
     assert decode["initPorts"] == [cmap.ports[21011]] and decode["allocPorts"] == [
@@ -119,12 +120,12 @@ def test_worker_and_controller_addresses_meet_on_the_same_local_sockets(
 ) -> None:
     cmap = ls.cluster_map(objects, _ports())
     loads = ls.workloads(objects)
-    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path, SECRETS, FIELDS)
+    ctl = lr.localize(loads["demo-controller"], cmap, tmp_path, SECRETS, FIELDS)
     monitor = json.loads(ctl.argv[ctl.argv.index("--monitor-ports") + 1])
     assert monitor["pull"] == ctl.ports["pull"] and monitor["reply"] == ctl.ports["reply"]
     assert ctl.argv[ctl.argv.index("--port") + 1] == str(ctl.ports["http"])
     for name in ("demo-p2p-0", "demo-p2p-1"):
-        lw = ls.localize(loads[name], cmap, tmp_path)
+        lw = lr.localize(loads[name], cmap, tmp_path)
         cfg = yaml.safe_load(next(iter(lw.files.values())))
         assert cfg["controller_pull_url"] == f"{ls.LOOPBACK}:{monitor['pull']}"
         assert cfg["controller_reply_url"] == f"{ls.LOOPBACK}:{monitor['reply']}"
@@ -149,26 +150,26 @@ def test_rewrite_check_refuses_any_other_change(
 ) -> None:
     cmap = ls.cluster_map(objects, _ports())
     w = ls.workloads(objects)["demo-p2p-0"]
-    lw = ls.localize(w, cmap, tmp_path)
+    lw = lr.localize(w, cmap, tmp_path)
     path = next(iter(lw.files))
     cfg = yaml.safe_load(lw.files[path])
     mutate(cfg)  # type: ignore[operator]
     lw.files[path] = yaml.safe_dump(cfg)
     with pytest.raises(ls.StackError, match=where):
-        ls.check_rewrite(w, lw, cmap)
+        lr.check_rewrite(w, lw, cmap)
 
 
 def test_rewrite_check_refuses_a_changed_flag_or_env(objects: list[ls.Obj], tmp_path: Path) -> None:
     cmap = ls.cluster_map(objects, _ports())
     w = ls.workloads(objects)["demo-p2p-0"]
-    lw = ls.localize(w, cmap, tmp_path)
+    lw = lr.localize(w, cmap, tmp_path)
     lw.argv[lw.argv.index("--block-size") + 1] = "32"
     with pytest.raises(ls.StackError, match="'16' -> '32'"):
-        ls.check_rewrite(w, lw, cmap)
-    lw = ls.localize(w, cmap, tmp_path)
+        lr.check_rewrite(w, lw, cmap)
+    lw = lr.localize(w, cmap, tmp_path)
     lw.env["PYTHONHASHSEED"] = "1"
     with pytest.raises(ls.StackError, match="PYTHONHASHSEED"):
-        ls.check_rewrite(w, lw, cmap)
+        lr.check_rewrite(w, lw, cmap)
 
 
 def test_a_port_outside_the_domain_is_an_error(objects: list[ls.Obj], tmp_path: Path) -> None:
@@ -179,7 +180,7 @@ def test_a_port_outside_the_domain_is_an_error(objects: list[ls.Obj], tmp_path: 
     cfg["controller_pull_url"] = "demo-controller.default.svc:1234"
     w.files[path] = yaml.safe_dump(cfg)
     with pytest.raises(ls.StackError, match="port 1234 is not a port of any Service"):
-        ls.localize(w, cmap, tmp_path)
+        lr.localize(w, cmap, tmp_path)
 
 
 def _redis_domain(tmp_path: Path) -> list[ls.Obj]:
@@ -203,18 +204,18 @@ def test_a_redis_the_pool_names_is_one_local_service_for_every_reader(tmp_path: 
     cmap = ls.cluster_map(objects, _ports(), services)
     port = cmap.external[("kv-redis", 6379)]
     loads = ls.workloads(objects)
-    ctl = ls.localize(loads["demo-controller"], cmap, tmp_path, SECRETS, FIELDS)
+    ctl = lr.localize(loads["demo-controller"], cmap, tmp_path, SECRETS, FIELDS)
     assert ctl.argv[ctl.argv.index("--redis-url") + 1] == f"redis://{ls.LOOPBACK}:{port}/1"
-    ls.check_rewrite(loads["demo-controller"], ctl, cmap)
-    wrk = ls.localize(loads["demo-p2p-0"], cmap, tmp_path)
+    lr.check_rewrite(loads["demo-controller"], ctl, cmap)
+    wrk = lr.localize(loads["demo-p2p-0"], cmap, tmp_path)
     cfg = yaml.safe_load(next(iter(wrk.files.values())))
     assert cfg["remote_url"] == f"redis://{ls.LOOPBACK}:{port}"
-    ls.check_rewrite(loads["demo-p2p-0"], wrk, cmap)
+    lr.check_rewrite(loads["demo-p2p-0"], wrk, cmap)
     # Another Redis address is not the named one: refused by the check.
     cfg["remote_url"] = f"redis://{ls.LOOPBACK}:{port + 1}"
     wrk.files[next(iter(wrk.files))] = yaml.safe_dump(cfg)
     with pytest.raises(ls.StackError, match="remote_url"):
-        ls.check_rewrite(loads["demo-p2p-0"], wrk, cmap)
+        lr.check_rewrite(loads["demo-p2p-0"], wrk, cmap)
 
 
 def test_a_secret_the_pod_reads_needs_a_value(objects: list[ls.Obj], tmp_path: Path) -> None:
@@ -222,10 +223,10 @@ def test_a_secret_the_pod_reads_needs_a_value(objects: list[ls.Obj], tmp_path: P
     w = ls.workloads(objects)["demo-gateway"]
     w.secret_env["KVPOOL_GATEWAY_AUTH_TOKEN"] = ("token", "token")
     with pytest.raises(ls.StackError, match="Secret token/token"):
-        ls.localize(w, cmap, tmp_path)
-    lw = ls.localize(w, cmap, tmp_path, {("token", "token"): "s3cret"})
+        lr.localize(w, cmap, tmp_path)
+    lw = lr.localize(w, cmap, tmp_path, {("token", "token"): "s3cret"})
     assert lw.env["KVPOOL_GATEWAY_AUTH_TOKEN"] == "s3cret"
-    assert any("secretKeyRef token/token" in c for c in ls.check_rewrite(w, lw, cmap))
+    assert any("secretKeyRef token/token" in c for c in lr.check_rewrite(w, lw, cmap))
 
 
 def test_up_starts_a_cluster_s_order_and_refuses_engines_it_cannot_run(tmp_path: Path) -> None:
@@ -255,10 +256,10 @@ def test_a_mounted_file_named_by_a_flag_is_the_local_file(
     """The gateway's ``--config /etc/kvpool/gateway/gateway.yaml`` reads the local copy."""
     cmap = ls.cluster_map(objects, _ports())
     w = ls.workloads(objects)["demo-gateway"]
-    lw = ls.localize(w, cmap, tmp_path)
+    lw = lr.localize(w, cmap, tmp_path)
     local = lw.argv[lw.argv.index("--config") + 1]
     assert local in lw.files and local != w.argv[w.argv.index("--config") + 1]
-    ls.check_rewrite(w, lw, cmap)
+    lr.check_rewrite(w, lw, cmap)
 
 
 def test_gflags_style_flags_and_kubelet_env_references_are_rewritten(tmp_path: Path) -> None:
@@ -269,17 +270,17 @@ def test_gflags_style_flags_and_kubelet_env_references_are_rewritten(tmp_path: P
     objects = render_files([tmp_path / "mc.yaml"]).objects
     cmap = ls.cluster_map(objects, _ports())
     loads = ls.workloads(objects)
-    master = ls.localize(loads["demo-mooncake-master"], cmap, tmp_path)
+    master = lr.localize(loads["demo-mooncake-master"], cmap, tmp_path)
     local = cmap.ports[50051]
     assert master.argv[1] == f"--port={local}"
-    ls.check_rewrite(loads["demo-mooncake-master"], master, cmap)
-    store = ls.localize(loads["demo-mooncake-store"], cmap, tmp_path)
+    lr.check_rewrite(loads["demo-mooncake-master"], master, cmap)
+    store = lr.localize(loads["demo-mooncake-store"], cmap, tmp_path)
     assert store.env["MOONCAKE_MASTER"] == f"{ls.LOOPBACK}:{local}"
     assert store.env["MOONCAKE_LOCAL_HOSTNAME"] == ls.LOOPBACK  # $(POD_IP), expanded
-    ls.check_rewrite(loads["demo-mooncake-store"], store, cmap)
+    lr.check_rewrite(loads["demo-mooncake-store"], store, cmap)
     master.argv[2] = "--eviction_ratio=0.5"
     with pytest.raises(ls.StackError, match="eviction_ratio"):
-        ls.check_rewrite(loads["demo-mooncake-master"], master, cmap)
+        lr.check_rewrite(loads["demo-mooncake-master"], master, cmap)
 
 
 def test_local_stack_root_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -334,12 +335,12 @@ def test_two_controller_replicas_get_own_ports_behind_the_services_proxy(tmp_pat
 
     loads = ls.workloads(objects)
     assert loads["demo-controller"].replicas == 2
-    replica = ls.localize(
+    replica = lr.localize(
         loads["demo-controller"],
         cmap.for_replica("demo-controller", 1),
         tmp_path,
         SECRETS,
-        ls.pod_fields("demo-controller-1", "default"),
+        lr.pod_fields("demo-controller-1", "default"),
     )
     assert replica.ports == {n: b[p] for n, p in loads["demo-controller"].ports.items()}
     pub = cmap.ports[pool_port(objects, "pub")]
@@ -348,8 +349,8 @@ def test_two_controller_replicas_get_own_ports_behind_the_services_proxy(tmp_pat
     heartbeat = cmap.ports[pool_port(objects, "heartbeat")]
     assert argv[argv.index("--heartbeat-url") + 1] == f"{ls.LOOPBACK}:{heartbeat}"
     assert replica.env["POD_NAME"] == "demo-controller-1"
-    ls.check_rewrite(loads["demo-controller"], replica, cmap.for_replica("demo-controller", 1))
-    worker = ls.localize(loads["demo-p2p-0"], cmap, tmp_path)
+    lr.check_rewrite(loads["demo-controller"], replica, cmap.for_replica("demo-controller", 1))
+    worker = lr.localize(loads["demo-p2p-0"], cmap, tmp_path)
     pull = cmap.ports[pool_port(objects, "pull")]
     assert (
         f"{ls.LOOPBACK}:{pull}"

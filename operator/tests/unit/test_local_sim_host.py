@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 from kvpool.operator.local import plan as ls
+from kvpool.operator.local import rewrite as lr
 from kvpool.operator.local.stack import LocalStack, Running
 from kvpool.operator.local.up import render_files, start_order
 
@@ -29,10 +30,10 @@ def test_sim_workers_are_marked_and_grouped_per_domain() -> None:
         "fleet"
     )
     assert not loads["demo-p2p-0"].simulated  # the reference engine runs alone
-    hosts = ls.sim_hosts(loads, sorted(loads))
+    hosts = lr.sim_hosts(loads, sorted(loads))
     assert list(hosts) == ["fleet-sim-host"]
     assert hosts["fleet-sim-host"] == sorted(f"fleet-sim-{i}" for i in range(16))
-    assert ls.sim_hosts(loads, ["fleet-sim-3", "demo-p2p-0"]) == {"fleet-sim-host": ["fleet-sim-3"]}
+    assert lr.sim_hosts(loads, ["fleet-sim-3", "demo-p2p-0"]) == {"fleet-sim-host": ["fleet-sim-3"]}
 
 
 def _stack(root: Path) -> LocalStack:
@@ -46,7 +47,7 @@ def test_the_instances_file_is_each_instance_as_it_runs_alone(tmp_path: Path) ->
     stack = _stack(tmp_path)
     names = [n for n in start_order(stack) if stack.rendered[n].simulated][:3]
     alone = [stack.prepare(n) for n in names]
-    entries = json.loads(ls.host_instances(alone))
+    entries = json.loads(lr.host_instances(alone))
     assert [e["argv"] for e in entries] == [lw.argv for lw in alone]
     assert [e["env"] for e in entries] == [lw.env for lw in alone]
     for entry, lw in zip(entries, alone, strict=True):
@@ -64,7 +65,7 @@ def test_a_host_process_lists_its_instances_by_name_port_and_log(tmp_path: Path)
     stack = _stack(tmp_path)
     instances = [stack.prepare(f"fleet-sim-{i}") for i in range(2)]
     argv = ["kvpool-worker", "host", "--instances", "x.json"]
-    host = ls.LocalWorkload("fleet-sim-host", "worker", argv, {}, {}, {}, {}, None)
+    host = lr.LocalWorkload("fleet-sim-host", "worker", argv, {}, {}, {}, {}, None)
     proc = subprocess.Popen(["true"])  # stands for the host process: its id is what is listed
     proc.wait()
     stack.running[host.name] = Running(host, proc, tmp_path / "h.log", hosts=instances)

@@ -53,12 +53,11 @@ from kvpool.operator.local.balance import Balanced, balanced_services
 from kvpool.operator.local.plan import (
     LOOPBACK,
     ClusterMap,
-    LocalWorkload,
     StackError,
     cluster_map,
-    unresolved,
     workload_of,
 )
+from kvpool.operator.local.rewrite import LocalWorkload, unresolved
 from kvpool.operator.local.stack import LocalStack, Running, free_port
 
 log = logging.getLogger(__name__)

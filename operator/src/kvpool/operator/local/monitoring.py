@@ -17,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from kvpool.operator.local.plan import LOOPBACK, LocalWorkload, Obj, StackError
+from kvpool.operator.local.plan import LOOPBACK, Obj, StackError
+from kvpool.operator.local.rewrite import LocalWorkload
 from kvpool.operator.local.stack import LocalStack, Running, free_port
 from kvpool.operator.monitoring import alerts, scrape
 

@@ -31,18 +31,20 @@ from typing import Any
 from kvpool.operator.local.plan import (
     LOOPBACK,
     ClusterMap,
-    LocalWorkload,
     NamedService,
     Obj,
     StackError,
     Workload,
-    check_rewrite,
     cluster_map,
+    replica_name,
+    workloads,
+)
+from kvpool.operator.local.rewrite import (
+    LocalWorkload,
+    check_rewrite,
     host_instances,
     localize,
     pod_fields,
-    replica_name,
-    workloads,
 )
 
 logger = logging.getLogger(__name__)
@@ -227,7 +229,7 @@ class LocalStack:
     def start_host(self, name: str, instances: Sequence[LocalWorkload]) -> Running:
         """One ``kvpool-worker host`` process serving the simulated ``instances``, each with the
         argv, env and files ``prepare`` gave it to run alone; ``kvpool-worker`` parses and
-        checks each one as ``serve`` would (``plan.host_instances``)."""
+        checks each one as ``serve`` would (``rewrite.host_instances``)."""
         path = str(self.root / name / "instances.json")
         argv = ["kvpool-worker", "host", "--instances", path]
         files = {path: host_instances(instances)}

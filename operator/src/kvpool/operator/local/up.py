@@ -40,8 +40,8 @@ from kvpool.operator.local.plan import (
     StackError,
     named_services,
     replica_name,
-    sim_hosts,
 )
+from kvpool.operator.local.rewrite import sim_hosts
 from kvpool.operator.local.services import Backend, LocalServices
 from kvpool.operator.local.stack import (
     LocalStack,
