@@ -1,10 +1,11 @@
 """The kubelet of ``kvpool-operator cluster``: every pod bound to the node runs as a local process.
 
 Why: the operator's children only mean something when they run. This kubelet runs each pod
-through ``kvpool-operator up``'s runner (``local.plan`` + ``local.stack``): the container's
-command and env as rendered, its ConfigMap files and emptyDir volumes under the pod's
-directory, its Secrets' values, the downward API (pod IP 127.0.0.1, name, namespace, node, service
-account), and every cluster address (Service and pod DNS names, container ports) rewritten to
+through ``kvpool-operator up``'s runner (``local.plan``, ``local.rewrite``, ``local.stack``):
+the container's command and env as rendered, its ConfigMap files and emptyDir volumes under
+the pod's directory, what the cluster gives a pod beyond its spec (``podenv``: its Secrets'
+values, the downward API, a kubeconfig with its service account's token, the service proxy),
+and every cluster address (Service and pod DNS names, container ports) rewritten to
 127.0.0.1 and a local port, checked by ``check_rewrite`` to be nothing but that. It probes the
 rendered readiness probe and writes the pod's status (Ready, restarts, the last exit code,
 CrashLoopBackOff), restarts a process that exits (``restartPolicy: Always``, doubling backoff),
@@ -12,9 +13,7 @@ stops the process when the pod is deleted (SIGTERM, SIGKILL after the grace peri
 completes the deletion. A running pod's ConfigMap files follow their ConfigMap, as a real
 kubelet updates them (each file replaced at once: a reader sees the old or the new content,
 never half; a real kubelet swaps a ``..data`` symlink instead), so a process that re-reads its
-mounted config sees the change without a restart. A pod reaches the API server through a
-kubeconfig holding its service account's token, and ``*.svc`` HTTP names through the cluster's
-service proxy (``HTTP_PROXY``).
+mounted config sees the change without a restart.
 
 One machine means one network namespace: every pod of a namespace shares its ports, so two pods
 whose containers use the same port cannot run together; the second one waits (PortsInUse). The
@@ -25,10 +24,8 @@ of its own replica slot, and the Deployment's Service is a proxy to the ones tha
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -48,6 +45,7 @@ from kvpool.operator.cluster.endpoints import (
     free_slot,
     owner_deployment,
 )
+from kvpool.operator.cluster.podenv import downward_fields, pod_env, secret_values
 from kvpool.operator.cluster.store import Obj, Res, Store, StoreError, now_stamp
 from kvpool.operator.local.balance import Balanced, balanced_services
 from kvpool.operator.local.plan import (
@@ -277,17 +275,8 @@ class Kubelet:
         labels = dict(meta.get("labels") or {})
         stack.rendered[name] = workload_of(name, labels, spec, configmaps)
         stack.cmap = self._own(run, self._cluster_map(ns))
-        self._secrets(stack, ns)
-        fields = {
-            "status.podIP": LOOPBACK,
-            "status.hostIP": LOOPBACK,
-            "metadata.name": name,
-            "metadata.namespace": ns,
-            "metadata.uid": meta["uid"],
-            "spec.nodeName": workloads.NODE,
-            "spec.serviceAccountName": str(spec.get("serviceAccountName", "default")),
-        }
-        return stack.prepare(name, fields=fields)
+        stack.secrets.update(secret_values(self.store.list(SECRETS, ns)))
+        return stack.prepare(name, fields=downward_fields(pod))
 
     def _refresh_mounts(self, run: PodRun, pod: Obj) -> None:
         """Bring a running pod's ConfigMap files up to date (what a kubelet does every sync
@@ -365,39 +354,16 @@ class Kubelet:
                     log.warning("namespace %s: Service proxies not updated: %s", ns, exc)
         return out
 
-    def _secrets(self, stack: LocalStack, ns: str) -> None:
-        for secret in self.store.list(SECRETS, ns):
-            for key, value in (secret.get("data") or {}).items():
-                with contextlib.suppress(ValueError):
-                    stack.secrets[(secret["metadata"]["name"], key)] = base64.b64decode(
-                        value
-                    ).decode()
-
     def _pod_env(self, ns: str, name: str, account: str) -> dict[str, str]:
-        """What a pod gets from the cluster rather than its spec: API credentials (its service
-        account's token in a kubeconfig) and the service proxy for ``*.svc`` names."""
-        path = self.root / ns / name / "serviceaccount" / "kubeconfig"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(
-            kubeconfig(
-                self.api_url,
-                self.token_for(ns, account),
-                ns,
-                f"system:serviceaccount:{ns}:{account}",
-                self.ca_pem,
-            ),
-            encoding="utf-8",
+        return pod_env(
+            self.root / ns / name / "serviceaccount" / "kubeconfig",
+            api_url=self.api_url,
+            proxy_url=self.proxy_url,
+            namespace=ns,
+            account=account,
+            token=self.token_for(ns, account),
+            ca_pem=self.ca_pem,
         )
-        os.chmod(path, 0o600)
-        return {
-            "KUBECONFIG": str(path),
-            "KUBERNETES_SERVICE_HOST": LOOPBACK,
-            "KUBERNETES_SERVICE_PORT": self.api_url.rsplit(":", 1)[-1],
-            "HTTP_PROXY": self.proxy_url,
-            "http_proxy": self.proxy_url,
-            "NO_PROXY": "127.0.0.1,localhost,::1",
-            "no_proxy": "127.0.0.1,localhost,::1",
-        }
 
     def _wait(self, run: PodRun, reason: str, message: str) -> None:
         run.next_try = time.monotonic() + 1.0
@@ -531,18 +497,3 @@ class Kubelet:
         await self.proxies.close()
         for stack in self.stacks.values():
             await asyncio.to_thread(stack.close, 15.0)
-
-
-def kubeconfig(server: str, token: str, namespace: str, user: str, ca_pem: bytes) -> str:
-    """A kubeconfig for one client of this cluster (HTTPS on 127.0.0.1 verified against the
-    cluster's CA, a bearer token: client-go sends no token over plain HTTP)."""
-    ca = base64.b64encode(ca_pem).decode()
-    return (
-        "apiVersion: v1\nkind: Config\n"
-        f"clusters:\n- name: kvpool-local\n  cluster:\n    server: {server}\n"
-        f"    certificate-authority-data: {ca}\n"
-        f"users:\n- name: {user}\n  user:\n    token: {token}\n"
-        f"contexts:\n- name: kvpool-local\n  context:\n    cluster: kvpool-local\n"
-        f"    user: {user}\n    namespace: {namespace}\n"
-        "current-context: kvpool-local\n"
-    )

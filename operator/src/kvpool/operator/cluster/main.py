@@ -39,7 +39,8 @@ from kvpool.operator.cluster import proxy
 from kvpool.operator.cluster.admission import Webhooks
 from kvpool.operator.cluster.apiserver import ApiServer, widen_backlog
 from kvpool.operator.cluster.controllers import ControllerManager
-from kvpool.operator.cluster.kubelet import Kubelet, kubeconfig
+from kvpool.operator.cluster.kubelet import Kubelet
+from kvpool.operator.cluster.podenv import kubeconfig
 from kvpool.operator.local.stack import free_port, pid_alive, reap, stop_group, terminate
 from kvpool.operator.runtime import certs
 
