@@ -6,7 +6,8 @@ backends (local CPU, local disk, Redis, Mooncake — configured only through the
 and its controller client (``enable_controller``). kvpool adds what LMCache lacks on a CPU box:
 the paged connector (:mod:`.connector`), an integrity guard so a corrupted chunk from disk or a
 remote tier is a miss (:mod:`.guard`), remote-tier bypass while the tier is down
-(:mod:`.tiers`), per-tier metrics, and a close that returns within its deadline.
+(:mod:`.tiers`), per-tier metrics, and a close that returns within its deadline
+(:mod:`.shutdown`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -43,13 +43,9 @@ from kvpool.worker.engine.offload.pd_buffer import ReceiverBuffer
 from kvpool.worker.engine.offload.pd_keep import LOCAL_CPU_BACKEND, ReceiverKeep
 from kvpool.worker.engine.offload.prefetch import PrefetchOps
 from kvpool.worker.engine.offload.registration import RegistrationCheck
+from kvpool.worker.engine.offload.shutdown import ShutdownOps
 from kvpool.worker.engine.offload.storage_ops import (
-    close_nixl_side_channels,
-    close_pd_sender_sockets,
-    close_redis,
-    deregister_first,
     disk_length_ok,
-    flush_pending,
     pin_controller_requests,
     remote_remove,
 )
@@ -68,7 +64,7 @@ def _no_broadcast_object(obj: Any, src: int) -> Any:
     return obj
 
 
-class LMCacheOffload(MemoryOps, PrefetchOps):
+class LMCacheOffload(MemoryOps, PrefetchOps, ShutdownOps):
     """KV offload of one engine (one TP rank) through one LMCache engine instance.
 
     With ``enable_async_loading`` (required for P2P: LMCache's peer backend answers only
@@ -473,69 +469,3 @@ class LMCacheOffload(MemoryOps, PrefetchOps):
                 errors += backend.get_blocking_failed_count + backend.put_failed_count
             out[f"tier_errors.{h.tier}"] = errors
         return out
-
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait (bounded) until LMCache's asynchronous disk and remote writes are done."""
-        deadline = time.monotonic() + timeout_s
-        if not flush_pending(self._storage, timeout_s):
-            return False
-        remote = self._storage.storage_backends.get(tiers.REMOTE_BACKEND)
-        while True:
-            with self._lock:
-                keys = self._unconfirmed_remote
-                if not keys or remote is None or not self._remote_up():
-                    keys.clear()
-                    return True
-                seen = remote.batched_contains(list(keys))
-                del keys[:seen]
-                if not keys:
-                    return True
-            if time.monotonic() >= deadline:
-                logger.warning("%d chunk writes to the remote tier not visible yet", len(keys))
-                with self._lock:
-                    keys.clear()  # lost or evicted remotely; the next flush starts afresh
-                return False
-            time.sleep(0.02)
-
-    def close(self, deadline_s: float) -> None:
-        """Flush pending disk/remote writes, deregister, close LMCache, within ``deadline_s``.
-
-        The work runs in a daemon thread; if LMCache hangs (it can with a Redis tier), close
-        gives up at the deadline, logs it and sets ``closed_cleanly = False``. LMCache's
-        non-daemon threads may then keep the interpreter alive: the process must exit with
-        ``os._exit``.
-        """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        t0 = time.monotonic()
-        done = threading.Event()
-
-        def _run() -> None:
-            try:
-                if self._prober is not None:
-                    self._prober.stop()
-                if self._pd_buffer is not None:
-                    self._pd_buffer.stop()
-                flush_pending(self._storage, max(0.0, deadline_s * 0.5))
-                close_redis(self._storage)
-                deregister_first(self.engine, min(1.0, deadline_s * 0.2))
-                close_nixl_side_channels(self._storage)
-                if self._pd_sender is not None:
-                    self._pd_sender.close()
-                close_pd_sender_sockets(self._storage)
-                LMCacheEngineBuilder.destroy(self.instance_id)
-            except Exception:
-                logger.exception("closing LMCache engine %s failed", self.instance_id)
-            finally:
-                done.set()
-
-        threading.Thread(target=_run, name=f"kvpool-close-{self.instance_id}", daemon=True).start()
-        self.closed_cleanly = done.wait(max(0.0, deadline_s - (time.monotonic() - t0)))
-        if not self.closed_cleanly:
-            logger.warning(
-                "LMCache engine %s did not close within %.1fs: giving up on it",
-                self.instance_id,
-                deadline_s,
-            )
