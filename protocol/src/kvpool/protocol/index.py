@@ -28,11 +28,8 @@ Layout (no I/O, no threads, no logging):
   so the per-key work cannot vanish, but it no longer stalls the caller (a million-key worker
   purged on a TTL used to block the controller's loop for about half a second);
 - a bitmask of *instances* is derived per distinct slot mask and memoised. The longest-prefix
-  scan fetches masks a block at a time in C and only does per-instance work where the holder
-  set changes; blocks grow from ``FIRST_BLOCK`` to ``SCAN_BLOCK`` hashes, so a prompt that
-  misses after a chunk or two (a cold prompt, a P2P probe of random hashes) costs a few probes,
-  not a block of 64; it stops once no instance can extend its prefix (at most ``SCAN_BLOCK`` hashes
-  are read past that point).
+  scan (:mod:`kvpool.protocol.index_scan`) fetches masks a block at a time in C and only does
+  per-instance work where the holder set changes.
 
 A *chunk-location* is one (chunk hash, instance, worker, location) fact; ``len(index)`` counts
 them. Keys are LMCache chunk hashes: Python ``int`` of any sign and size (64-bit in practice).
@@ -49,9 +46,9 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice, repeat
 
 from kvpool.protocol.index_groups import HitGroup, hit_groups, per_instance
+from kvpool.protocol.index_scan import SCAN_BLOCK, scan
 from kvpool.protocol.index_slots import Decoded as _Decoded
 from kvpool.protocol.index_slots import Run as _Run
 from kvpool.protocol.index_slots import Slot as _Slot
@@ -63,10 +60,6 @@ __all__ = ["SCAN_BLOCK", "TIER_ORDER", "ChunkIndex", "HitGroup", "InstanceHit", 
 #: first, as :mod:`kvpool.protocol.tiers` ranks them. Unknown names come after.
 TIER_ORDER: tuple[str, ...] = tuple(sorted((b.name for b in BACKENDS), key=tier_rank))
 
-#: Hashes fetched per step of a prefix scan (the most it reads past where it stops).
-SCAN_BLOCK = 64
-#: The first step's size; each next step doubles up to ``SCAN_BLOCK``.
-FIRST_BLOCK = 8
 #: Memo tables are dropped and rebuilt when they grow past this many entries.
 _MEMO_LIMIT = 1 << 16
 #: ... or when the decoded masks they hold name more (instance, location) pairs than this.
@@ -401,53 +394,9 @@ class ChunkIndex:
     def _scan(
         self, hashes: Iterable[int], slot_filter: int
     ) -> tuple[list[tuple[int, int]], list[_Run]]:
-        """Leading hits counting only the slots in ``slot_filter`` (-1: all).
-
-        Returns the *ends* (hit chunks, bitmask of the instance indexes that stop there), the
-        longest last, and the runs of equal (filtered) masks.
-        """
-        get = self._chunks.get
-        decode = self._decode
-        source = iter(hashes)
-        zeros = repeat(0)
-        ends: list[tuple[int, int]] = []
-        runs: list[_Run] = []
-        alive = 0
-        raw = -1  # last raw mask seen; no mask equals -1, so the first chunk opens a run
-        prev = -1  # last filtered mask
-        start = 0
-        n = 0
-        size = FIRST_BLOCK
-        while True:
-            block = list(map(get, islice(source, size), zeros))
-            size = min(2 * size, SCAN_BLOCK)
-            if not block:
-                break
-            if block[0] is raw and block.count(raw) == len(block):
-                n += len(block)  # the whole block has the current holders: C speed
-                continue
-            for mask in block:
-                if mask is not raw and mask != raw:
-                    raw = mask
-                    held = mask & slot_filter
-                    if held != prev:
-                        still = decode(held).inst_mask if held else 0
-                        if n:
-                            still &= alive
-                            runs.append(_Run(prev, n - start, alive))
-                            ended = alive & ~still
-                            if ended:
-                                ends.append((n, ended))
-                        if not still:
-                            return ends, runs
-                        alive = still
-                        prev = held
-                        start = n
-                n += 1
-        if n and alive:
-            runs.append(_Run(prev, n - start, alive))
-            ends.append((n, alive))
-        return ends, runs
+        """Leading hits counting only the slots in ``slot_filter`` (-1: all): see
+        :func:`kvpool.protocol.index_scan.scan`."""
+        return scan(self._chunks.get, self._decode, hashes, slot_filter)
 
     def prefix_hits(self, hashes: Sequence[int]) -> dict[str, InstanceHit]:
         """Longest cached prefix of a prompt's chained chunk hashes, per instance.
