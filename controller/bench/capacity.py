@@ -121,7 +121,7 @@ def side_ours(params: dict[str, Any]) -> dict[str, float]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from kvpool.controller.service import ControllerService
     from kvpool.controller.settings import ControllerSettings
-    from kvpool.protocol import lmcache_wire as p
+    from kvpool.protocol import lmcache_codec as codec
 
     frames = _frames(**params)
     svc = ControllerService(ControllerSettings(monitor_ports={"pull": 0}))
@@ -131,11 +131,11 @@ def side_ours(params: dict[str, Any]) -> dict[str, float]:
     clock = time.thread_time
     for where, frame, _ in frames:
         t0 = clock()
-        msg = p.decode(frame)
+        msg = codec.decode(frame)
         if where == "push":
             svc.handle_push(msg)
         else:
-            p.encode(svc.handle_request(msg))
+            codec.encode(svc.handle_request(msg))
         spent[where] += clock() - t0
     return _summary(frames, spent)
 

@@ -30,6 +30,7 @@ from kvpool.controller.kube import KubeClient, KubeConfig
 from kvpool.controller.server import ControllerServer
 from kvpool.controller.settings import ControllerSettings
 from kvpool.operator.local import kubeapi
+from kvpool.protocol import lmcache_codec as codec
 from kvpool.protocol import lmcache_wire as p
 from kvpool.protocol.domain import CONTROLLER_ROLE_LABEL
 from kvpool.protocol.http_api import PREFIX_LOOKUP_PATH
@@ -96,9 +97,9 @@ async def request(ctx: zmq.asyncio.Context, server: ControllerServer, msg: Any) 
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(f"tcp://127.0.0.1:{server.ports['reply']}")
-        await sock.send_multipart([b"", p.encode(msg)])
+        await sock.send_multipart([b"", codec.encode(msg)])
         frames = await asyncio.wait_for(sock.recv_multipart(), 10)
-        return p.decode(frames[-1])
+        return codec.decode(frames[-1])
     finally:
         sock.close(linger=0)
 
@@ -134,7 +135,7 @@ async def test_the_standby_takes_over_with_the_index_and_the_workers(
         push.setsockopt(zmq.LINGER, 0)
         push.connect(f"tcp://127.0.0.1:{a.ports['pull']}")
         ops = [p.KVOpEvent(p.OpType.ADMIT, k, i) for i, k in enumerate(KEYS)]
-        await push.send(p.encode(p.BatchedKVOperationMsg(IID, 0, CPU, ops)))
+        await push.send(codec.encode(p.BatchedKVOperationMsg(IID, 0, CPU, ops)))
         # closed only once delivered (linger 0 would drop a frame still waiting to connect)
         await until("the admits at the leader", lambda: len(a.service.index) == len(KEYS))
         push.close(linger=0)

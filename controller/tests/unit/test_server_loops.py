@@ -17,6 +17,7 @@ import zmq
 
 from kvpool.controller.server import ControllerServer
 from kvpool.controller.settings import ControllerSettings
+from kvpool.protocol import lmcache_codec as codec
 from kvpool.protocol import lmcache_wire as p
 
 CPU = "LocalCPUBackend"
@@ -34,7 +35,7 @@ async def server() -> AsyncIterator[ControllerServer]:
 
 def _batch(keys: list[int], first_seq: int) -> bytes:
     ops = [p.KVOpEvent(p.OpType.ADMIT, k, first_seq + i) for i, k in enumerate(keys)]
-    return p.encode(p.BatchedKVOperationMsg("a", 0, CPU, ops))
+    return codec.encode(p.BatchedKVOperationMsg("a", 0, CPU, ops))
 
 
 def _wait_for_input(sock: zmq.Socket[bytes]) -> None:
@@ -61,11 +62,11 @@ async def test_a_lookup_is_answered_between_two_push_frames(server: ControllerSe
                 )
             )
         _wait_for_input(server._shadows["pull"])
-        dealer.send_multipart([b"", p.encode(p.BatchedP2PLookupMsg([10_000], "b", 0))])
+        dealer.send_multipart([b"", codec.encode(p.BatchedP2PLookupMsg([10_000], "b", 0))])
         _wait_for_input(server._shadows["reply"])
         urgent = [("reply", server._shadows["reply"], server._on_request)]
         server._drain("pull", server._on_push, float("inf"), urgent)
-        reply = p.decode(dealer.recv_multipart()[-1])
+        reply = codec.decode(dealer.recv_multipart()[-1])
         # answered after the first push frame, before the last batch was applied
         assert reply == p.BatchedP2PLookupRetMsg([("", "", 0, "")])
         deadline = time.monotonic() + 10

@@ -140,6 +140,7 @@ from kvpool.gateway.selection import Prompt
 from kvpool.gateway.state import build_state
 from kvpool.gateway.traces.mooncake import TraceRequest, Window, read_mooncake
 from kvpool.protocol import deltas as dl
+from kvpool.protocol import lmcache_codec as codec
 from kvpool.protocol import lmcache_wire as w
 from kvpool.protocol.domain import instance_id
 from kvpool.protocol.simcore.kvcache import KvEvent
@@ -521,14 +522,14 @@ def write_specs(rec: Recorded, workdir: Path) -> list[SenderSpec]:
         seq[(iid, b.location)] = start + len(ops)
         s = owner[b.instance]
         times[s].append(b.t - first_t)
-        frames[s].append(w.encode(w.BatchedKVOperationMsg(iid, 0, b.location, ops)))
+        frames[s].append(codec.encode(w.BatchedKVOperationMsg(iid, 0, b.location, ops)))
         events[s] += len(ops)
         held_keys.update(e.key for e in b.events)
     specs = []
     for s in range(n):
         mine = [(i, name) for i, name in enumerate(rec.names) if owner[name] == s]
         register = [
-            w.encode(
+            codec.encode(
                 w.RegisterMsg(rec.iid(name), 0, "127.0.0.1", 20000 + i, f"127.0.0.1:{40000 + i}")
             )
             for i, name in mine
@@ -548,7 +549,7 @@ def write_specs(rec: Recorded, workdir: Path) -> list[SenderSpec]:
                     "times": times[s],
                     "frames": frames[s],
                     "events": events[s],
-                    "sentinel": [iid, key, w.encode(admit), w.encode(evict)],
+                    "sentinel": [iid, key, codec.encode(admit), codec.encode(evict)],
                 }
             )
         )

@@ -48,6 +48,7 @@ import msgspec
 import zmq
 
 from kvpool.protocol import deltas as dl
+from kvpool.protocol import lmcache_codec as codec
 from kvpool.protocol import lmcache_wire as w
 from kvpool.protocol.index import ChunkIndex
 
@@ -75,7 +76,7 @@ def _dealer(ctx: zmq.Context[Any], port: int, timeout_ms: int = 30_000) -> zmq.S
 
 def _request(sock: zmq.Socket[bytes], frame: bytes) -> Any:
     sock.send_multipart([b"", frame])
-    return w.decode(sock.recv_multipart()[-1])
+    return codec.decode(sock.recv_multipart()[-1])
 
 
 def _read_start() -> float:
@@ -136,7 +137,7 @@ def send(args: argparse.Namespace) -> None:
             i = j
     t_sent = time.time()
     sentinel = spec["sentinel"]  # [instance_id, key, admit frame, evict frame]
-    probe = w.encode(w.BatchedP2PLookupMsg([sentinel[1]], "scale-probe~probe", 0))
+    probe = codec.encode(w.BatchedP2PLookupMsg([sentinel[1]], "scale-probe~probe", 0))
     push.send(sentinel[2])
     deadline = time.time() + args.timeout
     while _holder(_request(req, probe)) != sentinel[0]:
@@ -201,7 +202,7 @@ def lookup(args: argparse.Namespace) -> None:
         try:
             if kind == "p2p":
                 who = rng.choice(requesters)
-                reply = _request(req, w.encode(w.BatchedP2PLookupMsg(hashes, who, 0)))
+                reply = _request(req, codec.encode(w.BatchedP2PLookupMsg(hashes, who, 0)))
                 lat[kind].append(time.perf_counter() - t)
                 ok = isinstance(reply, w.BatchedP2PLookupRetMsg)
                 found = ok and bool(_holder(reply))
@@ -210,7 +211,7 @@ def lookup(args: argparse.Namespace) -> None:
                 lat[kind].append(time.perf_counter() - t)
                 ok = resp.status_code == 200
                 found = ok and bool(resp.json().get("instances"))
-        except (zmq.ZMQError, httpx.HTTPError, w.ProtocolError):
+        except (zmq.ZMQError, httpx.HTTPError, codec.ProtocolError):
             lat[kind].append(time.perf_counter() - t)
             ok = found = False
         errors[kind] += 0 if ok else 1

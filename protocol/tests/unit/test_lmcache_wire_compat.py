@@ -14,6 +14,7 @@ import msgspec
 import pytest
 from lmcache.v1.cache_controller import message as lm
 
+from kvpool.protocol import lmcache_codec as codec
 from kvpool.protocol import lmcache_wire as p
 
 OURS = typing.get_args(p.Msg)
@@ -69,11 +70,11 @@ def test_ours_decodes_as_lmcache_and_back(cls: type) -> None:
     wire = _wire_sample(cls)
     ours = msgspec.convert(wire, type=cls)
     repr(ours)
-    data = p.encode(ours)
+    data = codec.encode(ours)
     theirs = msgspec.msgpack.decode(data, type=lm.Msg)
     assert type(theirs).__name__ == cls.__name__
     assert msgspec.to_builtins(theirs) == msgspec.to_builtins(ours)
-    back = p.decode(msgspec.msgpack.encode(theirs))
+    back = codec.decode(msgspec.msgpack.encode(theirs))
     assert back == ours
 
 
@@ -81,15 +82,15 @@ def test_heartbeat_full_sync_command_round_trips() -> None:
     from lmcache.v1.cache_controller.commands import FullSyncCommand
 
     theirs = lm.HeartbeatRetMsg(commands=[FullSyncCommand(reason="controller_restart")])
-    ours = p.decode(msgspec.msgpack.encode(theirs))
+    ours = codec.decode(msgspec.msgpack.encode(theirs))
     assert ours == p.HeartbeatRetMsg([p.FullSyncCommand(reason="controller_restart")])
-    again = msgspec.msgpack.decode(p.encode(ours), type=lm.Msg)
+    again = msgspec.msgpack.decode(codec.encode(ours), type=lm.Msg)
     assert isinstance(again.commands[0], FullSyncCommand)
 
 
 def test_json_frames_decode_like_lmcache() -> None:
     frame = msgspec.json.encode(lm.DeRegisterMsg(instance_id="i", worker_id=0, ip="h", port=1))
-    assert p.decode(frame) == p.DeRegisterMsg("i", 0, "h", 1)
+    assert codec.decode(frame) == p.DeRegisterMsg("i", 0, "h", 1)
 
 
 @pytest.mark.parametrize(
@@ -105,13 +106,13 @@ def test_json_frames_decode_like_lmcache() -> None:
     ],
 )
 def test_bad_frames_raise_a_classified_protocol_error(frame: bytes, kind: str) -> None:
-    with pytest.raises(p.ProtocolError) as err:
-        p.decode(frame)
+    with pytest.raises(codec.ProtocolError) as err:
+        codec.decode(frame)
     assert err.value.kind == kind
 
 
 def test_parse_router_frames() -> None:
-    assert p.parse_router_frames([b"id", b"", b"x"]) == (b"id", b"x")
+    assert codec.parse_router_frames([b"id", b"", b"x"]) == (b"id", b"x")
     for bad in ([b"id", b"x"], [b"id", b"nonempty", b"x"], []):
-        with pytest.raises(p.ProtocolError):
-            p.parse_router_frames(bad)
+        with pytest.raises(codec.ProtocolError):
+            codec.parse_router_frames(bad)

@@ -20,6 +20,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvpool.protocol import lmcache_codec as codec
 from kvpool.protocol import lmcache_wire as w
 from kvpool.protocol.chat import REFERENCE_TOKENIZER_DIR, load_tokenizer
 from kvpool.protocol.hashing import HashConfig, chunk_hashes
@@ -65,16 +66,16 @@ class FakeController:
     async def _pull(self) -> None:
         while True:
             for frame in await self.pull.recv_multipart():
-                self.pushed.append(w.decode(frame))
+                self.pushed.append(codec.decode(frame))
 
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            ident, payload = w.parse_router_frames(await sock.recv_multipart())
-            msg = w.decode(payload)
+            ident, payload = codec.parse_router_frames(await sock.recv_multipart())
+            msg = codec.decode(payload)
             self.asked.append(msg)
             reply = self.answer(msg)
             if reply is not None:
-                await sock.send_multipart([ident, b"", w.encode(reply)])
+                await sock.send_multipart([ident, b"", codec.encode(reply)])
 
     def link(self, worker_port: int, **kw: Any) -> ControllerLink:
         args: dict[str, Any] = {
@@ -388,11 +389,14 @@ def test_the_rep_socket_answers_the_controllers_commands(
         dealer = fake.ctx.socket(zmq.DEALER)
         dealer.connect(f"tcp://127.0.0.1:{client.port}")
         replies = []
-        clear = w.encode(w.ClearWorkerMsg("e", "LocalCPUBackend"))
-        requests = [w.encode(w.CheckFinishWorkerMsg("c1")), b"\x01garbage" if garbage else clear]
+        clear = codec.encode(w.ClearWorkerMsg("e", "LocalCPUBackend"))
+        requests = [
+            codec.encode(w.CheckFinishWorkerMsg("c1")),
+            b"\x01garbage" if garbage else clear,
+        ]
         for payload in requests:
             await dealer.send_multipart([b"", payload])
-            replies.append(w.decode((await dealer.recv_multipart())[-1]))
+            replies.append(codec.decode((await dealer.recv_multipart())[-1]))
         batches = fake.of
         await until(
             lambda: garbage or sum(len(b.operations) for b in batches(w.BatchedKVOperationMsg)) >= 8

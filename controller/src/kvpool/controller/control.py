@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvpool.protocol import lmcache_wire as protocol
+from kvpool.protocol import lmcache_codec as codec
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class WorkerChannel:
             sock = self._open()
             try:
                 async with asyncio.timeout(timeout_s):
-                    await sock.send_multipart([b"", protocol.encode(msg)])
+                    await sock.send_multipart([b"", codec.encode(msg)])
                     frames = await sock.recv_multipart()
             except TimeoutError:
                 self.close()  # a late reply must not answer the next request
@@ -67,8 +67,8 @@ class WorkerChannel:
                 self.close()
                 raise ControlError(f"worker {self.name} at {self.url}: {exc}") from exc
         try:
-            return protocol.decode(frames[-1])
-        except protocol.ProtocolError as exc:
+            return codec.decode(frames[-1])
+        except codec.ProtocolError as exc:
             raise ControlError(f"worker {self.name} sent an undecodable reply: {exc}") from exc
 
 

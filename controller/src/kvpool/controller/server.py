@@ -29,6 +29,7 @@ from kvpool.controller.registry import WorkerRecord
 from kvpool.controller.service import ControllerService
 from kvpool.controller.settings import ControllerSettings
 from kvpool.protocol import deltas as dl
+from kvpool.protocol import lmcache_codec as codec
 from kvpool.protocol import lmcache_wire as p
 
 logger = logging.getLogger(__name__)
@@ -261,8 +262,8 @@ class ControllerServer:
     def _on_push(self, frames: list[bytes]) -> None:
         for frame in frames:  # LMCache workers batch several messages in one multipart
             try:
-                msg = p.decode(frame)
-            except p.ProtocolError as exc:
+                msg = codec.decode(frame)
+            except codec.ProtocolError as exc:
                 self.service.bad(exc.kind, f"PULL frame: {exc.detail}")
                 continue
             if isinstance(msg, p.ORCH_REQUESTS):
@@ -272,21 +273,21 @@ class ControllerServer:
 
     def _reply(self, role: str, identity: bytes, reply: Any) -> None:
         try:
-            self._shadows[role].send_multipart([identity, b"", p.encode(reply)], zmq.NOBLOCK)
+            self._shadows[role].send_multipart([identity, b"", codec.encode(reply)], zmq.NOBLOCK)
         except zmq.Again:
             self.service.bad("reply_dropped", f"{role} reply dropped (peer gone or slow)")
 
     def _decode_request(self, role: str, frames: list[bytes]) -> tuple[bytes | None, Any]:
         try:
-            identity, payload = p.parse_router_frames(frames)
-        except p.ProtocolError as exc:
+            identity, payload = codec.parse_router_frames(frames)
+        except codec.ProtocolError as exc:
             self.service.bad(exc.kind, f"{role}: {exc.detail}")
             if len(frames) >= 2:
                 self._reply(role, frames[0], p.ErrorMsg(str(exc)))
             return None, None
         try:
-            return identity, p.decode(payload)
-        except p.ProtocolError as exc:
+            return identity, codec.decode(payload)
+        except codec.ProtocolError as exc:
             self.service.bad(exc.kind, f"{role} frame: {exc.detail}")
             self._reply(role, identity, p.ErrorMsg(str(exc)))
             return None, None

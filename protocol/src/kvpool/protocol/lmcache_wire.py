@@ -6,9 +6,8 @@ controller image, every message is declared here with the same tag (the class na
 ``type`` field), the same field names, order and defaults. Two components speak it: the
 controller (the server side) and the simulated engine (``kvpool.worker.sim``, the worker side,
 which must be indistinguishable from a real LMCache worker), so it lives in kvpool.protocol.
-Unknown fields are ignored (msgspec's default) so a newer worker still decodes. ``decode`` is
-pure and turns every kind of bad input into a :class:`ProtocolError` with a ``kind`` the
-service counts.
+Unknown fields are ignored (msgspec's default) so a newer worker still decodes. The frames
+are decoded and encoded by :mod:`kvpool.protocol.lmcache_codec`.
 
 The compatibility test ``protocol/tests/unit/test_lmcache_wire_compat.py`` round-trips every
 struct through LMCache's own ``Msg`` union in both directions.
@@ -378,7 +377,7 @@ class QueryWorkerInfoRetMsg(_Msg, frozen=True, tag="QueryWorkerInfoRetMsg"):
     worker_infos: list[WorkerInfo]
 
 
-# ---------------------------------------------------------------- unions and codec
+# ---------------------------------------------------------------- unions
 
 WORKER_PUSH = (
     RegisterMsg,
@@ -462,60 +461,3 @@ Msg = (
     | FullSyncStatusMsg
     | FullSyncStatusRetMsg
 )
-
-_MSGPACK_DECODER = msgspec.msgpack.Decoder(Msg)
-_JSON_DECODER = msgspec.json.Decoder(Msg)
-_ENCODER = msgspec.msgpack.Encoder()
-
-# A message is always a msgpack map (first byte 0x80-0x8f, 0xde or 0xdf); 0x7b ("{") would be a
-# bare positive integer in msgpack, never a message. So a leading "{" unambiguously means JSON
-# (Mooncake's master posts JSON to LMCache's controller).
-_JSON_START = ord("{")
-
-
-class ProtocolError(ValueError):
-    """A frame that is not a valid message; ``kind`` names the class of fault for metrics."""
-
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-        self.detail = detail
-
-
-def decode(frame: bytes) -> Any:
-    """Decode one frame into a message struct, or raise :class:`ProtocolError`.
-
-    Kinds: ``empty``, ``truncated``, ``malformed`` (not msgpack/JSON), ``unknown_tag`` (a
-    ``type`` this protocol does not know), ``invalid`` (a known message with a wrong field).
-    """
-    if not frame:
-        raise ProtocolError("empty", "empty frame")
-    try:
-        if frame[0] == _JSON_START:
-            return _JSON_DECODER.decode(frame)
-        return _MSGPACK_DECODER.decode(frame)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        if "`$.type`" in text or "missing required field `type`" in text:
-            raise ProtocolError("unknown_tag", text) from exc
-        raise ProtocolError("invalid", text) from exc
-    except msgspec.DecodeError as exc:
-        text = str(exc)
-        kind = "truncated" if "truncated" in text else "malformed"
-        raise ProtocolError(kind, text) from exc
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    """Encode a message struct to msgpack bytes."""
-    return _ENCODER.encode(msg)
-
-
-def parse_router_frames(frames: list[bytes]) -> tuple[bytes, bytes]:
-    """Split a ROUTER multipart ``[identity, b"", payload]`` into ``(identity, payload)``.
-
-    Raises :class:`ProtocolError` (kind ``frames``) when the envelope is not that shape; the
-    identity is returned even then when present, so the caller can still answer with an error.
-    """
-    if len(frames) != 3 or frames[1] != b"":
-        raise ProtocolError("frames", f"expected [identity, b'', payload], got {len(frames)}")
-    return frames[0], frames[2]

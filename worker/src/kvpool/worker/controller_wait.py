@@ -29,6 +29,7 @@ import time
 
 import zmq
 
+from kvpool.protocol import lmcache_codec as codec
 from kvpool.protocol import lmcache_wire as w
 
 logger = logging.getLogger(__name__)
@@ -47,9 +48,9 @@ def _ask(ctx: zmq.Context[zmq.Socket[bytes]], reply_url: str, probe: bytes, wait
         sock.send_multipart([b"", probe])
         if not sock.poll(int(wait_s * 1000), zmq.POLLIN):
             return False
-        w.decode(sock.recv_multipart()[-1])
+        codec.decode(sock.recv_multipart()[-1])
         return True
-    except w.ProtocolError as exc:
+    except codec.ProtocolError as exc:
         logger.warning("%s answered something that is not LMCache's wire: %s", reply_url, exc)
         return False
     finally:
@@ -70,7 +71,7 @@ def wait_for_controller(
     returns 0 at once)."""
     if timeout_s <= 0:
         return 0.0
-    probe = w.encode(w.BatchedP2PLookupMsg(hashes=[], instance_id=instance_id, worker_id=0))
+    probe = codec.encode(w.BatchedP2PLookupMsg(hashes=[], instance_id=instance_id, worker_id=0))
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     start = time.monotonic()
     next_log = start + log_every_s

@@ -36,6 +36,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvpool.protocol import lmcache_codec as codec
 from kvpool.protocol import lmcache_wire as w
 from kvpool.worker.sim.config import ControllerLink
 from kvpool.worker.sim.control import ControlTarget, reply_to
@@ -209,7 +210,7 @@ class ControllerClient:
             return None
         self.counters["requests"] += 1
         try:
-            await sock.send_multipart([b"", w.encode(msg)])
+            await sock.send_multipart([b"", codec.encode(msg)])
             frames = await asyncio.wait_for(sock.recv_multipart(), self.link.recv_timeout_s)
         except (TimeoutError, zmq.ZMQError) as exc:
             self.counters["request_timeouts"] += 1
@@ -223,9 +224,9 @@ class ControllerClient:
                 self._req = fresh
             return None
         try:
-            reply: object = w.decode(frames[-1])
+            reply: object = codec.decode(frames[-1])
             return reply
-        except w.ProtocolError as exc:
+        except codec.ProtocolError as exc:
             logger.warning("undecodable answer to %s: %s", type(msg).__name__, exc)
             return None
 
@@ -233,7 +234,7 @@ class ControllerClient:
         """Queue a fire-and-forget message for the PUSH socket."""
         if self._closed or self.mute:
             return
-        self._outbox.append(w.encode(msg))
+        self._outbox.append(codec.encode(msg))
         if self._tasks:
             self._outbox_ready.set()
 
@@ -254,10 +255,10 @@ class ControllerClient:
             raw = await self._rep.recv()
             self.counters["control_requests"] += 1
             try:
-                reply = reply_to(w.decode(raw), self._control)
-            except w.ProtocolError as exc:
+                reply = reply_to(codec.decode(raw), self._control)
+            except codec.ProtocolError as exc:
                 reply = w.ErrorMsg(error=f"Worker error: {exc}")
-            await self._rep.send(w.encode(reply))
+            await self._rep.send(codec.encode(reply))
 
     async def _heartbeat_loop(self) -> None:
         beat = self.link.heartbeat_s
@@ -330,7 +331,7 @@ class ControllerClient:
             batcher.close()
         if self.registered and self._push is not None:
             self._outbox.append(
-                w.encode(
+                codec.encode(
                     w.DeRegisterMsg(
                         instance_id=self.instance_id,
                         worker_id=self.worker_id,
