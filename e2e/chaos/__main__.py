@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import sys
 import tempfile
 from pathlib import Path
-from types import FrameType
 
-from chaos import netns
+from chaos import entry, netns
 from chaos.faults import Fault
 from chaos.measure import markdown
 from chaos.suite import Plan, Run
@@ -163,14 +161,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if not args.no_netns and not netns.in_namespace():
-        return netns.reenter("chaos", argv)
+    status = entry.enter_namespace("chaos", argv, args.no_netns)
+    if status is not None:
+        return status
     plan = REDUCED if args.reduced else FULL
     if plan.sim_trace is None and args.sim_trace is not None:
         plan = dataclasses.replace(
@@ -184,20 +179,16 @@ def main(argv: list[str]) -> int:
     if why_not is not None:
         print(f"chaos: the network cut is not run: {why_not}", file=sys.stderr)
         plan = dataclasses.replace(plan, faults=tuple(f for f in plan.faults if f.kind != "cut"))
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-
-    def say(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
+    entry.interrupt_on_sigterm()
     out = args.out.resolve()
     with tempfile.TemporaryDirectory(prefix="kvpool-chaos-") as tmp:
         workdir = (args.workdir or Path(tmp)).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
-        run = Run(plan, workdir, say)
+        run = Run(plan, workdir, entry.say)
         try:
             doc = run.execute()
         except KeyboardInterrupt:
-            say("chaos: interrupted; every process stopped")
+            entry.say("chaos: interrupted; every process stopped")
             return 130
     reqs = out.with_suffix(".requests.jsonl")
     reqs.parent.mkdir(parents=True, exist_ok=True)

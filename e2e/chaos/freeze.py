@@ -34,7 +34,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import sys
 import tempfile
 import threading
@@ -43,15 +42,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import httpx
 import yaml
 
+from chaos import entry, netns
 from chaos import faults as fx
 from chaos import freeze_measure as fm
-from chaos import netns
 from chaos.suite import LoopThread
 from chaos.workload import TIMEOUT_S, StreamSpec, build_stream, write_trace
 from kvpool.gateway.loadgen import Replay
@@ -356,22 +354,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if not args.no_netns and not netns.in_namespace():
-        return netns.reenter("chaos.freeze", argv, {"LMCACHE_TRACK_USAGE": "false"})
+    status = entry.enter_namespace(
+        "chaos.freeze", argv, args.no_netns, {"LMCACHE_TRACK_USAGE": "false"}
+    )
+    if status is not None:
+        return status
     if netns.in_namespace():
         netns.setup(with_lan=True)
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-
-    def say(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
+    entry.interrupt_on_sigterm()
     bounds = Bounds(warm_s=args.warm, kills=args.kills, settle_s=args.settle)
     out = args.out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -383,9 +376,9 @@ def main(argv: list[str]) -> int:
         for name in args.arm or list(by_name):  # in the order given: the box's load drifts
             arm = by_name[name]
             try:
-                doc["arms"].append(ArmRun(arm, workdir, bounds, say).execute())
+                doc["arms"].append(ArmRun(arm, workdir, bounds, entry.say).execute())
             except KeyboardInterrupt:
-                say("freeze: interrupted; every process stopped")
+                entry.say("freeze: interrupted; every process stopped")
                 return 130
             # each arm as it ends: a later arm that fails leaves this one's figures
             out.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
