@@ -29,6 +29,7 @@ import zmq.asyncio
 from kvpool.controller.registry import WorkerRecord
 from kvpool.controller.service import ControllerService
 from kvpool.protocol import deltas as dl
+from kvpool.protocol.snapshot_fetch import fetch_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -148,13 +149,7 @@ class Follower:
         """One snapshot over a fresh DEALER (a lost reply never wedges the next request)."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(self.snapshot_url)
-            await sock.send_multipart([b"", dl.SNAPSHOT_REQUEST])
-            frames = await asyncio.wait_for(sock.recv_multipart(), SNAPSHOT_TIMEOUT_S)
-            return dl.decode_snapshot(frames[-1])
-        finally:
-            sock.close(linger=0)
+        return await fetch_snapshot(sock, self.snapshot_url, SNAPSHOT_TIMEOUT_S)
 
     def drain(self) -> int:
         """Apply every batch already received (the old leader's last words); returns how many."""

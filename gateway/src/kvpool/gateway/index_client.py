@@ -36,6 +36,7 @@ from kvpool.protocol.http_api import (
     prefix_lookup_hits,
     prefix_lookup_request,
 )
+from kvpool.protocol.snapshot_fetch import fetch_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -249,13 +250,7 @@ class IndexClient:
         assert self._ctx is not None and self.snapshot_url is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(self.snapshot_url)
-            await sock.send_multipart([b"", dl.SNAPSHOT_REQUEST])
-            frames = await asyncio.wait_for(sock.recv_multipart(), SNAPSHOT_TIMEOUT_S)
-            return dl.decode_snapshot(frames[-1])
-        finally:
-            sock.close(linger=0)
+        return await fetch_snapshot(sock, self.snapshot_url, SNAPSHOT_TIMEOUT_S)
 
     def close(self) -> None:
         if self._ctx is not None:
