@@ -1,4 +1,4 @@
-"""The replay client's SSE reader (kvpool.gateway.loadgen.SseReader) and Outcome arithmetic.
+"""The replay client's SSE reader (kvpool.gateway.sse_reader.SseReader) and Outcome arithmetic.
 
 Streams arrive in arbitrary chunks: events split across chunks, several in one, CRLF line ends,
 comments and other fields, usage in its own last event, an error event, a broken event.
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 
-from kvpool.gateway.loadgen import Outcome, SseReader
+from kvpool.gateway.loadgen import Outcome
+from kvpool.gateway.sse_reader import SseReader
 
 
 def ev(obj: object) -> bytes:
