@@ -26,9 +26,11 @@ from typing import Any
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
+import msgspec
 import torch
+import zmq
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.cache_controller.message import BatchedP2PLookupMsg
+from lmcache.v1.cache_controller.message import BatchedP2PLookupMsg, DeRegisterMsg
 from lmcache.v1.cache_controller.worker import LMCacheWorker
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
@@ -144,7 +146,11 @@ class LMCacheSide:
     def close(self, deregistered: Callable[[], bool] | None = None) -> None:
         """Release, deregister, close. With ``deregistered`` (a check on the controller), the
         deregister is re-sent (at most 3 times) until the controller saw it: under load,
-        LMCache's worker can drop its own queued message when its loop stops."""
+        LMCache's worker can drop its own queued message when its loop stops. A heartbeat
+        LMCache sent before its loop stopped can still arrive after the deregister and register
+        the worker again (the controller re-registers a heartbeating worker it does not know, as
+        after a purge); then, with the loop stopped and no heartbeat left to come, one more
+        ``DeRegisterMsg`` goes on LMCache's wire (msgpack over a PUSH to the pull URL)."""
         self.backend.clear()  # releases the memory objects (and sends their evictions)
         self.backend.batched_msg_sender.flush()  # type: ignore[union-attr]
         for _ in range(3):
@@ -156,16 +162,38 @@ class LMCacheSide:
             time.sleep(0.3)
             if deregistered is None:
                 break
-            seen_by = time.monotonic() + 5
-            while time.monotonic() < seen_by and not deregistered():
-                time.sleep(0.05)
-            if deregistered():
+            if _until(deregistered, 5):
                 break
         self.backend.close()  # sender thread, allocator
         self.worker.close()
+        if deregistered is not None and not deregistered():
+            self._push_deregister()
+            _until(deregistered, 5)
         # LMCache's close() leaves its loop's tasks pending; keep the objects alive so their
         # finalisers run at interpreter exit, not at a random GC in the middle of a test.
         _CLOSED.append(self)
+
+    def _push_deregister(self) -> None:
+        msg = DeRegisterMsg(
+            instance_id=self.worker.lmcache_instance_id,
+            worker_id=self.worker.worker_id,
+            ip=self.worker.lmcache_worker_ip,
+            port=self.worker.lmcache_worker_port,
+        )
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        try:
+            sock.connect(f"tcp://{self.config.controller_pull_url}")
+            sock.send_multipart([msgspec.msgpack.encode(msg)])
+        finally:
+            sock.close()
+
+
+def _until(check: Callable[[], bool], timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and not check():
+        time.sleep(0.05)
+    return check()
 
 
 _CLOSED: list[LMCacheSide] = []
