@@ -6,7 +6,8 @@ processes that each bind the port with ``SO_REUSEPORT`` (the kernel spreads conn
 their accept queues) and each build their whole state: their own index replica following the
 controller's delta stream, their own probes, breakers, load and admission counts. The parent
 only supervises: it forwards SIGTERM/SIGINT to every process and waits for them; if one dies,
-it stops the others and exits with its code (the pod restarts, as with one process).
+it stops the others and exits with its code (the pod restarts, as with one process). A
+supervisor killed outright takes its processes with it (Linux's parent-death signal).
 
 What is per process with ``N > 1``: ``limits.maxInflight``/``maxQueue`` and the rate limit
 (each process admits its own share), ``/metrics`` (a scrape sees the process that answered)
@@ -17,6 +18,7 @@ served it). PD pairs need one process: LMCache's senders notify a pair's one pro
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -60,7 +62,24 @@ def check_port_free(host: str, port: int) -> None:
             raise OSError(f"--port {port}: cannot bind {host}:{port} ({exc.strerror})") from None
 
 
-def _run_worker(serve_on: ServeOn, host: str, port: int) -> None:
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> None:
+    """On Linux, have the kernel send SIGTERM to this process when the supervisor dies: a
+    supervisor killed with SIGKILL (no chance to forward it) leaves no process serving the port
+    behind it. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        return
+    if os.getppid() != parent:  # the supervisor died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _run_worker(serve_on: ServeOn, host: str, port: int, parent: int) -> None:
+    _die_with_parent(parent)
     serve_on(reuse_port_socket(host, port))
 
 
@@ -70,7 +89,9 @@ def supervise(serve_on: ServeOn, host: str, port: int, workers: int) -> int:
     check_port_free(host, port)
     ctx = multiprocessing.get_context("spawn")  # no event loop, threads or sockets inherited
     procs = [
-        ctx.Process(target=_run_worker, args=(serve_on, host, port), name=f"gateway-{n}")
+        ctx.Process(
+            target=_run_worker, args=(serve_on, host, port, os.getpid()), name=f"gateway-{n}"
+        )
         for n in range(workers)
     ]
     stopping = False
