@@ -7,7 +7,8 @@ id carries its own fingerprint) that started while the controller was not up yet
 worker's wait for a controller turned off (``KVPOOL_WORKER_CONTROLLER_WAIT_S=0``, as a user may
 set it): its start-up registration check got no answer, so it stays ready and serves, while the
 controller refuses every registration of it once it runs (``GET /v1/stats`` lists it under
-``refused``) and never indexes what it stores. (The gateway still has it in its instance list, as a pod of the pool.)
+``refused``) and never indexes what it stores. (The gateway still has it in its instance
+list, as a pod of the pool.)
 Scenarios, in this order (the last restarts the controller):
 
 - never stored: a prompt nobody sent before;
