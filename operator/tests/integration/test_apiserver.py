@@ -218,3 +218,47 @@ async def test_server_side_apply_and_helms_protobuf_secrets(
         created = await _json(resp)
         assert resp.status == 201, created
     assert created["data"] == {"k": "dg=="} and created["metadata"]["labels"] == {"owner": "helm"}
+
+
+class _HeldUpdates:
+    """Admission that holds every UPDATE until released (a webhook answering slowly under
+    load), so another write lands while the first is in review."""
+
+    def __init__(self) -> None:
+        self.in_review = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def review(self, operation: str, *_: Any) -> list[str]:
+        if operation == "UPDATE":
+            self.in_review.set()
+            await self.release.wait()
+        return []
+
+
+async def test_a_write_reviewed_while_the_object_is_deleted_keeps_the_deletion() -> None:
+    """A patch built on the version before a delete must not store that version's metadata
+    over the delete's: the deletionTimestamp stays, and the patch is applied on top (the API
+    server's guaranteed update). e2e test_cluster met it: kopf's patch of a pool in review at
+    the webhook while kubectl deleted it, and the pool was never deleted."""
+    held = _HeldUpdates()
+    async with (
+        ApiServer(declare_kvpool=False, admission=held) as server,
+        kmock.Server(server) as listener,
+        aiohttp.ClientSession(str(listener.url)) as s,
+    ):
+        async with s.post(CMS, json={"metadata": {"name": "c", "finalizers": ["x/y"]}}) as resp:
+            assert resp.status == 201, await resp.text()
+        merge = {"Content-Type": "application/merge-patch+json"}
+        patch = asyncio.create_task(
+            s.patch(f"{CMS}/c", data=json.dumps({"data": {"k": "v"}}), headers=merge)
+        )
+        await asyncio.wait_for(held.in_review.wait(), 10)
+        async with s.delete(f"{CMS}/c") as resp:
+            assert resp.status == 200, await resp.text()
+        held.release.set()
+        async with await patch as resp:
+            assert resp.status == 200, await resp.text()
+        async with s.get(f"{CMS}/c") as resp:
+            obj = await _json(resp)
+        assert obj["metadata"].get("deletionTimestamp"), obj
+        assert obj["data"] == {"k": "v"}

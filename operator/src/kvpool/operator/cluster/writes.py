@@ -24,6 +24,8 @@ from kvpool.operator.cluster.store import Obj, Res, Store, StoreError, copy_json
 
 CRD_RES = Res("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 NAMESPACES = Res("", "v1", "namespaces")
+#: How often a write is applied again when the object changed during its admission review.
+UPDATE_ATTEMPTS = 5
 
 
 def method_of(request: rendering.Request) -> str:
@@ -206,14 +208,26 @@ class Writes:
             raise StoreError(404, "NotFound", f'{kind.res[2]} "{name}" not found')
         if sub == "scale":
             return await self._write_scale(request, kind, old)
-        new = self._patched(request, kind, old)
         status = sub == "status"
-        candidate = self.store.replace(kind.res, old, new, status=status, commit=False)
-        candidate = self._checked(kind, candidate, old, status)
-        await self._review(request, "UPDATE", kind, candidate, old, sub)
-        if request.params.get("dryRun") == "All":
-            return candidate
-        return self.store.replace(kind.res, old, candidate, status=status)
+        for _ in range(UPDATE_ATTEMPTS):
+            new = self._patched(request, kind, old)
+            candidate = self.store.replace(kind.res, old, new, status=status, commit=False)
+            candidate = self._checked(kind, candidate, old, status)
+            await self._review(request, "UPDATE", kind, candidate, old, sub)
+            if request.params.get("dryRun") == "All":
+                return candidate
+            current = self.store.find(kind.res, ns, name)
+            if current is None:
+                raise StoreError(404, "NotFound", f'{kind.res[2]} "{name}" not found')
+            if _version(current) == _version(old):
+                return self.store.replace(kind.res, old, candidate, status=status)
+            # Written meanwhile (during admission): the patch again, on the latest version, as
+            # the API server's guaranteed update does. Storing the candidate built on ``old``
+            # lost that write (a delete's deletionTimestamp, under load).
+            old = current
+        raise StoreError(
+            409, "Conflict", f'{kind.res[2]} "{name}": changed by others on every attempt'
+        )
 
     async def _create_from(
         self, request: rendering.Request, kind: Kind, ns: str | None, body: Obj
@@ -254,27 +268,37 @@ class Writes:
         return out
 
     async def _write_scale(self, request: rendering.Request, kind: Kind, old: Obj) -> Obj:
-        current = self._scale(kind, old)
         body = self._body(request)
         ctype = request.headers.get("Content-Type", "")
-        if method_of(request) == "PUT":
-            wanted = body
-        elif "json-patch" in ctype:
-            wanted = patches.json_patch(current, body)
-        else:
-            wanted = patches.merge_patch(current, body)
-        replicas = int((wanted.get("spec") or {}).get("replicas", 0))
-        new = copy_json(old)
-        node = new
-        *parents, leaf = kind.scale["specReplicasPath"].strip(".").split(".")  # type: ignore[index]
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = replicas
-        candidate = self._checked(kind, self.store.replace(kind.res, old, new, commit=False), old)
-        await self._review(request, "UPDATE", kind, candidate, old, "scale")
-        if request.params.get("dryRun") != "All":
-            candidate = self.store.replace(kind.res, old, candidate)
-        return self._scale(kind, candidate)
+        for _ in range(UPDATE_ATTEMPTS):
+            current = self._scale(kind, old)
+            if method_of(request) == "PUT":
+                wanted = body
+            elif "json-patch" in ctype:
+                wanted = patches.json_patch(current, body)
+            else:
+                wanted = patches.merge_patch(current, body)
+            replicas = int((wanted.get("spec") or {}).get("replicas", 0))
+            new = copy_json(old)
+            node = new
+            *parents, leaf = kind.scale["specReplicasPath"].strip(".").split(".")  # type: ignore[index]
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = replicas
+            replaced = self.store.replace(kind.res, old, new, commit=False)
+            candidate = self._checked(kind, replaced, old)
+            await self._review(request, "UPDATE", kind, candidate, old, "scale")
+            if request.params.get("dryRun") == "All":
+                return self._scale(kind, candidate)
+            latest = self.store.find(kind.res, old["metadata"].get("namespace"), _name(old))
+            if latest is None:
+                raise StoreError(404, "NotFound", f'{kind.res[2]} "{_name(old)}" not found')
+            if _version(latest) == _version(old):
+                return self._scale(kind, self.store.replace(kind.res, old, candidate))
+            old = latest  # written during admission: scale the latest version (see _write)
+        raise StoreError(
+            409, "Conflict", f'{kind.res[2]} "{_name(old)}": changed by others on every attempt'
+        )
 
     # -- delete ----------------------------------------------------------------------------------
     async def _delete(
@@ -314,3 +338,12 @@ class Writes:
             if kind.namespaced:
                 for obj in self.store.list(kind.res, namespace):
                     self.store.delete(kind.res, namespace, obj["metadata"]["name"], grace=0)
+
+
+def _version(obj: Obj) -> str | None:
+    version: str | None = obj["metadata"].get("resourceVersion")
+    return version
+
+
+def _name(obj: Obj) -> str:
+    return str(obj["metadata"]["name"])
