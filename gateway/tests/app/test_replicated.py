@@ -110,12 +110,16 @@ async def test_sigterm_fails_readiness_refuses_new_requests_and_finishes_the_str
                 assert refused.headers["retry-after"] == "1"
                 assert refused.headers["connection"] == "close"
                 assert not server.should_exit  # one stream still in flight
+                # read while the stream holds the server up: once it ends, the drain stops
+                # uvicorn and a later request may find the connection closed
+                m = (await client.get("/metrics")).text
+                assert metric(m, 'kvpool_gateway_rejections_total{reason="draining"}') == 1
+                assert metric(
+                    m, 'kvpool_gateway_requests_total{endpoint="completions",status="503"}'
+                )
                 rest = [line async for line in lines]
             events = [x for x in [first, *rest] if x.startswith("data: ")]
             assert events[-1] == "data: [DONE]" and len(events) == 7  # all six, then DONE
-            m = (await client.get("/metrics")).text
-            assert metric(m, 'kvpool_gateway_rejections_total{reason="draining"}') == 1
-            assert metric(m, 'kvpool_gateway_requests_total{endpoint="completions",status="503"}')
             for _ in range(300):  # nothing in flight: the drain ends and uvicorn stops
                 if server.should_exit:
                     break
