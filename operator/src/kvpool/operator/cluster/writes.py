@@ -12,6 +12,7 @@ of ``apiserver.ApiServer``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import kmock
@@ -208,10 +209,27 @@ class Writes:
             raise StoreError(404, "NotFound", f'{kind.res[2]} "{name}" not found')
         if sub == "scale":
             return await self._write_scale(request, kind, old)
+        return await self._guaranteed_update(
+            request, kind, old, sub, lambda latest: self._patched(request, kind, latest)
+        )
+
+    async def _guaranteed_update(
+        self,
+        request: rendering.Request,
+        kind: Kind,
+        old: Obj,
+        sub: str | None,
+        build: Callable[[Obj], Obj],
+    ) -> Obj:
+        """``build(old)`` admitted and stored, as the API server's guaranteed update does: when
+        the object was written meanwhile (during the admission review's ``await``), ``build``
+        runs again on the latest version, at most ``UPDATE_ATTEMPTS`` times, then 409. Storing
+        the candidate built on the version before lost that write (a delete's
+        deletionTimestamp, under load)."""
         status = sub == "status"
+        ns, name = old["metadata"].get("namespace"), _name(old)
         for _ in range(UPDATE_ATTEMPTS):
-            new = self._patched(request, kind, old)
-            candidate = self.store.replace(kind.res, old, new, status=status, commit=False)
+            candidate = self.store.replace(kind.res, old, build(old), status=status, commit=False)
             candidate = self._checked(kind, candidate, old, status)
             await self._review(request, "UPDATE", kind, candidate, old, sub)
             if request.params.get("dryRun") == "All":
@@ -221,9 +239,6 @@ class Writes:
                 raise StoreError(404, "NotFound", f'{kind.res[2]} "{name}" not found')
             if _version(current) == _version(old):
                 return self.store.replace(kind.res, old, candidate, status=status)
-            # Written meanwhile (during admission): the patch again, on the latest version, as
-            # the API server's guaranteed update does. Storing the candidate built on ``old``
-            # lost that write (a delete's deletionTimestamp, under load).
             old = current
         raise StoreError(
             409, "Conflict", f'{kind.res[2]} "{name}": changed by others on every attempt'
@@ -270,35 +285,25 @@ class Writes:
     async def _write_scale(self, request: rendering.Request, kind: Kind, old: Obj) -> Obj:
         body = self._body(request)
         ctype = request.headers.get("Content-Type", "")
-        for _ in range(UPDATE_ATTEMPTS):
-            current = self._scale(kind, old)
+
+        def scaled(latest: Obj) -> Obj:
+            current = self._scale(kind, latest)  # 404 for a kind without a scale subresource
+            path = str(kind.scale["specReplicasPath"])  # type: ignore[index]
             if method_of(request) == "PUT":
                 wanted = body
             elif "json-patch" in ctype:
                 wanted = patches.json_patch(current, body)
             else:
                 wanted = patches.merge_patch(current, body)
-            replicas = int((wanted.get("spec") or {}).get("replicas", 0))
-            new = copy_json(old)
+            new = copy_json(latest)
             node = new
-            *parents, leaf = kind.scale["specReplicasPath"].strip(".").split(".")  # type: ignore[index]
+            *parents, leaf = path.strip(".").split(".")
             for part in parents:
                 node = node.setdefault(part, {})
-            node[leaf] = replicas
-            replaced = self.store.replace(kind.res, old, new, commit=False)
-            candidate = self._checked(kind, replaced, old)
-            await self._review(request, "UPDATE", kind, candidate, old, "scale")
-            if request.params.get("dryRun") == "All":
-                return self._scale(kind, candidate)
-            latest = self.store.find(kind.res, old["metadata"].get("namespace"), _name(old))
-            if latest is None:
-                raise StoreError(404, "NotFound", f'{kind.res[2]} "{_name(old)}" not found')
-            if _version(latest) == _version(old):
-                return self._scale(kind, self.store.replace(kind.res, old, candidate))
-            old = latest  # written during admission: scale the latest version (see _write)
-        raise StoreError(
-            409, "Conflict", f'{kind.res[2]} "{_name(old)}": changed by others on every attempt'
-        )
+            node[leaf] = int((wanted.get("spec") or {}).get("replicas", 0))
+            return new
+
+        return self._scale(kind, await self._guaranteed_update(request, kind, old, "scale", scaled))
 
     # -- delete ----------------------------------------------------------------------------------
     async def _delete(
