@@ -32,8 +32,9 @@ from urllib.parse import urlsplit
 import httpx
 import yaml
 
+from kvpool.operator.local.services import LocalServices
 from kvpool.operator.local.stack import LocalStack, Running
-from kvpool.operator.local.up import render_files
+from kvpool.operator.local.up import local_services, render_files, start_pods
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "worker" / "bench"))
 import services
@@ -73,17 +74,27 @@ def terminate_all(runs: list[Running], grace_s: float = 8.0) -> None:
 
 @dataclass
 class Domain:
-    """The rendered domain: controller and workers run here; gateways start per arm."""
+    """The rendered domain: controller and workers run here; gateways start per arm. Its pods
+    run as ``up`` runs them: each replica of a workload behind its Service's proxy, with the
+    credentials of ``up``'s Kubernetes API stand-in (the controller's replicas elect their
+    leader through it)."""
 
     root: Path
     stack: LocalStack
+    services: LocalServices
+    exits: contextlib.ExitStack
     #: The process of the gateway :meth:`gateway` started last (its resident memory is read).
     gateway_pid: int | None = None
 
     @classmethod
     def render(cls, root: Path, pool_file: Path = POOL_FILE) -> Domain:
         rendered = render_files([pool_file])
-        return cls(root, LocalStack(rendered.objects, root / "domain", rendered.services))
+        stack = LocalStack(rendered.objects, root / "domain", rendered.services)
+        exits = contextlib.ExitStack()
+        # the gateways are started per arm on the Service's port, not behind a proxy
+        others = [n for n, w in stack.rendered.items() if w.component != "gateway"]
+        services = exits.enter_context(local_services(stack, root / "domain", others))
+        return cls(root, stack, services, exits)
 
     def names(self, component: str) -> list[str]:
         return sorted(n for n, w in self.stack.rendered.items() if w.component == component)
@@ -116,7 +127,7 @@ class Domain:
     def start(self, names: list[str], timeout_s: float = 240.0) -> float:
         """Start ``names`` together, wait until every rendered readiness probe answers 200."""
         t0 = time.monotonic()
-        runs = [self.stack.start(self.stack.prepare(n)) for n in names]
+        runs = [run for n in names for run in start_pods(self.stack, self.services, n)]
         for run in runs:
             self.stack.wait_ready(run, timeout_s, progress=log)
         return time.monotonic() - t0
@@ -125,7 +136,10 @@ class Domain:
         terminate_all([self.stack.running.pop(n) for n in names if n in self.stack.running])
 
     def close(self) -> None:
-        self.stop(list(self.stack.running))
+        try:
+            self.stop(list(self.stack.running))
+        finally:
+            self.exits.close()
 
     @contextlib.contextmanager
     def gateway(

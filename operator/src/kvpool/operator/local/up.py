@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -210,7 +210,7 @@ def _start_stage(
     hosted = {name: host for host, names in hosts.items() for name in names}
     for name in stage:
         if name not in hosted:
-            for run in _start_pods(stack, services, name):
+            for run in start_pods(stack, services, name):
                 step += 1
                 runs.append((step, run))
                 what = f"{run.workload.name} ({run.workload.component})"
@@ -230,7 +230,7 @@ def _start_stage(
     return runs
 
 
-def _start_pods(stack: LocalStack, services: LocalServices, name: str) -> list[Running]:
+def start_pods(stack: LocalStack, services: LocalServices, name: str) -> list[Running]:
     """Start the pods of one workload: one process, or one per replica behind its Service's
     proxy; each is a pod of the API stand-in (its labels) and gets its credentials."""
     w = stack.rendered[name]
@@ -262,7 +262,7 @@ def _serve(
     every process is stopped on return."""
     with (
         LocalStack(rendered.objects, state_dir, rendered.services) as stack,
-        _services(stack, state_dir) as services,
+        local_services(stack, state_dir) as services,
     ):
         unknown = sorted(set(skip) - set(stack.rendered))
         if unknown:
@@ -329,12 +329,18 @@ def _serve(
 
 
 @contextlib.contextmanager
-def _services(stack: LocalStack, state_dir: Path) -> Iterator[LocalServices]:
-    """The API stand-in and the proxies of the Services in front of several replicas."""
+def local_services(
+    stack: LocalStack, state_dir: Path, workloads: Collection[str] | None = None
+) -> Iterator[LocalServices]:
+    """The API stand-in and the proxies of the Services in front of several replicas (only of
+    ``workloads`` when given: a caller that runs the others its own way)."""
     namespaces = sorted({w.namespace for w in stack.rendered.values()}) or ["default"]
-    services = LocalServices(
-        state_dir / "services", namespaces[0], balanced_services(stack.objects, stack.cmap)
-    )
+    balanced = [
+        b
+        for b in balanced_services(stack.objects, stack.cmap)
+        if workloads is None or b.workload in workloads
+    ]
+    services = LocalServices(state_dir / "services", namespaces[0], balanced)
     services.start()
     try:
         yield services
